@@ -1,0 +1,218 @@
+"""The one training loop, shared by train_vae.py and train_dalle.py and by every backend.
+
+"The model returns its losses, the loop owns optimisation" (detectron2's SimpleTrainer): a task supplies
+the model, the data, `loss(model, batch, step)`, samples and the export; the backend supplies
+communication, precision and checkpoint I/O. The loop names no backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from .checkpoints import resolve_resume, save_checkpoint
+from .run import RunDir, progress
+from .schedules import lr_factor
+
+
+class Task(Protocol):
+    name: str
+    model: nn.Module
+    dataset: torch.utils.data.Dataset
+
+    def prepare_batch(self, batch, device: torch.device): ...  # no grad, full precision (e.g. VAE tokens)
+    def loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict]: ...
+    def window_metrics(self) -> dict: ...
+    def write_samples(self, model: nn.Module, step: int, path: str | None) -> None: ...  # every rank calls
+    def export(self, weights: dict, path: str) -> None: ...  # rank 0 only
+
+
+class ShardedSampler(torch.utils.data.Sampler):
+    """Disjoint per-rank shards of a seeded per-epoch permutation, resumable at any position.
+
+    Like DistributedSampler with drop_last, plus `start` so that a resumed run continues exactly where
+    the interrupted one was instead of replaying the epoch.
+    """
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, batch_size: int):
+        self.per_rank = (length // world_size) // batch_size * batch_size
+        if self.per_rank == 0:
+            raise ValueError(
+                f"{length} samples are not enough for one batch of {batch_size} on each of {world_size} ranks: "
+                "lower --batch_size or add data"
+            )
+        self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(self.length, generator=g)[: self.per_rank * self.world_size]
+        return iter(perm[self.rank :: self.world_size][self.start :].tolist())
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay for biases, norms and embeddings (1-D params and nn.Embedding)."""
+    no_decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, rest = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (rest if p.dim() < 2 or id(p) in no_decay else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+@dataclass
+class Position:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+
+
+def train(task: Task, cfg, backend, run: RunDir) -> Position:
+    """Train `task` with `backend` as `cfg` says; returns where training stopped."""
+    accum = cfg.accumulation_steps(backend.world_size)
+    sampler = ShardedSampler(len(task.dataset), backend.rank, backend.world_size, cfg.seed, cfg.batch_size)
+    loader = torch.utils.data.DataLoader(
+        task.dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=backend.device.type == "cuda",
+        drop_last=True,
+        persistent_workers=False,
+        multiprocessing_context="fork" if cfg.num_workers > 0 else None,
+    )
+    batches_per_epoch = sampler.per_rank // cfg.batch_size
+    steps_per_epoch = max(batches_per_epoch // accum, 1)
+    total = cfg.steps or cfg.epochs * steps_per_epoch
+
+    optimizer = torch.optim.AdamW(
+        param_groups(task.model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
+    )
+    model, optimizer, scheduler = backend.prepare(task.model, optimizer, scheduler)
+
+    pos = Position()
+    for candidate in resolve_resume(cfg.resume, run.checkpoints):
+        try:
+            pos = Position(**backend.load_checkpoint(candidate))
+            run.print(f"resumed from {candidate} at step {pos.step}")
+            break
+        except (ValueError, FileNotFoundError, KeyError) as e:  # a damaged checkpoint: fall back to an older one
+            run.print(f"skipping checkpoint {candidate}: {e}")
+    else:
+        if cfg.resume and cfg.resume != "auto":
+            raise ValueError(f"--resume {cfg.resume}: the checkpoint could not be loaded (see above)")
+
+    global_batch = cfg.batch_size * backend.world_size * accum
+    run.print(
+        f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
+        f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
+    )
+
+    # SIGTERM (a preempted node): finish the current step, save, exit.
+    stop = {"now": False}
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def batches():
+        while True:
+            sampler.set_position(pos.epoch, pos.batch_in_epoch * cfg.batch_size)
+            for batch in loader:
+                pos.batch_in_epoch += 1
+                yield batch
+            pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+
+    data = batches()
+    bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
+    sums: dict[str, torch.Tensor] = {}
+    count, t0, samples_seen = 0, time.perf_counter(), 0
+    model.train()
+    if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
+        save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+    while pos.step < total:
+        for micro in range(accum):
+            batch = task.prepare_batch(next(data), backend.device)
+            with backend.accumulate(model, sync=micro == accum - 1):
+                with backend.autocast():
+                    loss, metrics = task.loss(model, batch, pos.step)
+                backend.backward(loss)
+            for k, v in {"loss": loss.detach(), **metrics}.items():
+                sums[k] = sums.get(k, 0) + v.float()
+            count += 1
+        grad_norm, skipped = backend.step()
+        pos.step += 1
+        samples_seen += global_batch
+        if bar is not None:
+            bar.update(1)
+
+        if pos.step % cfg.log_every == 0 or pos.step == total:
+            names = sorted(sums)
+            # one collective for all metrics; the only host sync of the step, and only when logging
+            means = backend.all_reduce(torch.stack([sums[k] / count for k in names]).to(backend.device)).tolist()
+            elapsed = time.perf_counter() - t0
+            row = dict(zip(names, means))
+            row.update(
+                lr=scheduler.get_last_lr()[0],
+                grad_norm=float(grad_norm),
+                skipped=bool(skipped),
+                loss_scale=backend.loss_scale(),
+                epoch=pos.epoch,
+                images_per_s=samples_seen / elapsed,
+                **task.window_metrics(),
+            )
+            if backend.device.type == "cuda":
+                row["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            run.log_metrics(pos.step, row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{row['loss']:.4f}", img_s=f"{row['images_per_s']:.0f}")
+            elif not cfg.quiet:
+                run.print(f"step {pos.step}/{total} " + " ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
+            if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
+                raise FloatingPointError(f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm")
+            sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
+
+        if cfg.sample_every and pos.step % cfg.sample_every == 0:
+            task.write_samples(model, pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png") if backend.is_main else None)
+            model.train()
+        stopping = False
+        if pos.step % cfg.log_every == 0:  # checked with the logging sync, not every step
+            flag = torch.tensor(float(stop["now"]), device=backend.device)
+            stopping = bool(backend.all_reduce(flag, op="sum") > 0)
+        at_save = cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0
+        if at_save or stopping or pos.step == total:
+            save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+            _export(task, model, backend)
+        if stopping:
+            run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
+            break
+    if bar is not None:
+        bar.close()
+    signal.signal(signal.SIGTERM, old_handler)
+    task.write_samples(model, pos.step, os.path.join(run.samples, "final.png") if backend.is_main else None)
+    return pos
+
+
+def _export(task: Task, model, backend) -> None:
+    weights = backend.full_state_dict(model)  # collective: gathers shards on every rank
+    if backend.is_main:
+        task.export(weights, task.export_path)
+    backend.barrier()
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,83 @@
+"""The run directory: config.json, metrics.jsonl, train.log, TensorBoard events, samples/, checkpoints/.
+
+Only rank 0 writes; the other ranks get an object whose methods do nothing, so callers never branch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+
+class RunDir:
+    def __init__(self, path: str, is_main: bool, tensorboard: bool = True):
+        self.path = path
+        self.is_main = is_main
+        self.samples = os.path.join(path, "samples")
+        self.checkpoints = os.path.join(path, "checkpoints")
+        self._tb = None
+        self._log = None
+        if not is_main:
+            return
+        os.makedirs(self.samples, exist_ok=True)
+        os.makedirs(self.checkpoints, exist_ok=True)
+        self._log = open(os.path.join(path, "train.log"), "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(path, "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self._tb = None
+
+    def print(self, *parts) -> None:
+        """Print on rank 0 and append to train.log."""
+        if not self.is_main:
+            return
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self._log.write(line + "\n")
+
+    def write_config(self, config: dict) -> None:
+        if self.is_main:
+            with open(os.path.join(self.path, "config.json"), "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True, default=str)
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        if not self.is_main:
+            return
+        row = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
+        with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._log is not None:
+            self._log.close()
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float):
+        return round(v, 6) if math.isfinite(v) else str(v)
+    return v
+
+
+def progress(total: int, initial: int, enabled: bool):
+    """A tqdm bar on rank 0 when stderr is a terminal; None otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, dynamic_ncols=True, unit="step")

@@ -1,0 +1,71 @@
+"""Training the discrete VAE as a loop task: loss with the annealed temperature, codebook health, samples."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torchvision.utils import save_image
+
+from .checkpoints import load_export, save_export
+from .schedules import gumbel_temperature
+from .vae import DiscreteVAE, VAEConfig, codebook_stats
+
+
+class VAETask:
+    name = "vae"
+
+    def __init__(self, vae: DiscreteVAE, dataset, export_path: str, temperature: tuple[float, float, int, str],
+                 usage_window: int = 20, num_sample_images: int = 8):
+        self.model = vae
+        self.dataset = dataset
+        self.export_path = export_path
+        self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
+        self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
+        self._last_tau = self.temp_start
+        n = min(num_sample_images, len(dataset))
+        self._fixed = torch.stack([dataset[i][0] for i in range(n)])  # the same images in every grid
+
+    def temperature(self, step: int) -> float:
+        return gumbel_temperature(step, self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind)
+
+    def prepare_batch(self, batch, device):
+        images = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return images.to(device, non_blocking=True)
+
+    def loss(self, model, images, step):
+        self._last_tau = self.temperature(step)
+        loss, metrics = model(images, self._last_tau)
+        self._codes.append(metrics.pop("indices").detach())
+        return loss, metrics
+
+    def window_metrics(self) -> dict:
+        stats = codebook_stats(torch.cat([c.flatten() for c in self._codes]), self.model.num_tokens)
+        return {"temperature": self._last_tau, **{k: v.item() for k, v in stats.items()}}
+
+    @torch.no_grad()
+    def write_samples(self, model, step, path):
+        """Originals | hard reconstructions | soft reconstructions, one row each."""
+        if path is None:
+            return
+        vae = self.model
+        was_training = vae.training
+        vae.eval()
+        images = self._fixed.to(next(vae.parameters()).device)
+        grid = torch.cat([images, vae.reconstruct(images), vae.reconstruct_soft(images, self._last_tau)])
+        save_image(grid[:, :3].float().cpu(), path, nrow=len(images), padding=1)
+        vae.train(was_training)
+
+    def export(self, weights, path):
+        save_export(path, "vae", self.model.cfg.to_dict(), weights)
+
+
+def load_vae(path: str, map_location="cpu") -> DiscreteVAE:
+    """The frozen, eval-mode VAE stored in an export written by train_vae.py."""
+    obj = load_export(path, "vae")
+    cfg = dict(obj["config"])
+    cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
+    vae = DiscreteVAE(VAEConfig(**cfg))
+    vae.load_state_dict(obj["weights"])
+    vae.eval().requires_grad_(False)
+    return vae.to(map_location)

@@ -1,0 +1,25 @@
+"""One Backend interface, one file per backend. `make_backend` picks and builds one lazily, so that
+heavy optional packages (deepspeed, horovod) are imported only when asked for."""
+
+from __future__ import annotations
+
+from arguments import Topology, resolve_backend
+
+from .base import Backend
+
+
+def make_backend(name: str, topo: Topology, **kw) -> Backend:
+    """The backend `name` ('auto' resolves from the launcher), not yet set up."""
+    name = resolve_backend(name, topo)
+    if name == "single":
+        from .single import SingleBackend as cls
+    elif name == "ddp":
+        from .torch_ddp import DDPBackend as cls
+    else:
+        raise ValueError(f"--distributed_backend {name} is not available in this version: use single or ddp")
+    if name == "single" and topo.world_size > 1:
+        raise ValueError(f"launched as {topo.world_size} processes but the backend is single-process")
+    return cls(topo, **kw)
+
+
+__all__ = ["Backend", "make_backend"]

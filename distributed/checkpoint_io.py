@@ -1,0 +1,69 @@
+"""File helpers shared by the backends' checkpoint methods: the states file and per-rank RNG files.
+
+Everything is loaded with `weights_only=True`: a checkpoint that needs arbitrary unpickling is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+from dalle_pytorch.checkpoints import safe_load
+
+STATES_FILE = "states.pt"
+
+
+def save_shared_file(directory: str, obj: dict) -> None:
+    os.makedirs(directory, exist_ok=True)
+    torch.save(obj, os.path.join(directory, STATES_FILE))
+
+
+def load_shared_file(directory: str, map_location="cpu") -> dict:
+    return safe_load(os.path.join(directory, STATES_FILE), map_location)
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_rank_file(directory: str, rank: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    torch.save(_plain(rng_state()), os.path.join(directory, f"rng-rank{rank}.pt"))
+
+
+def load_rank_file(directory: str, rank: int) -> None:
+    set_rng_state(safe_load(os.path.join(directory, f"rng-rank{rank}.pt")))
+
+
+def _plain(x):
+    """numpy RNG state holds an ndarray, which weights_only loading refuses; store it as a tensor."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x.copy())
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,110 @@
+"""One process, no communication. The other torch-based backends extend it with their wrappers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .base import Backend
+from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
+
+
+class SingleBackend(Backend):
+    name = "single"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.model = self.optimizer = self.scheduler = None
+        self.scaler = None
+
+    def setup(self) -> None:
+        self.device = self._pick_device()
+
+    def teardown(self) -> None:
+        pass
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def prepare(self, model, optimizer, scheduler):
+        model = self.wrap_model(model.to(self.device))
+        # fp16 needs loss scaling: gradients of small losses underflow in half precision. GradScaler
+        # raises the scale until an overflow, then skips that step and halves it (dynamic loss scaling).
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        return model, optimizer, scheduler
+
+    def accumulate(self, model, sync: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss / self.accumulation_steps).backward()
+
+    def synchronize_gradients(self) -> None:
+        """Make every rank's gradients the global average before clipping (DDP already did in backward)."""
+
+    def clip_gradients(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.clip_grad_norm if self.clip_grad_norm > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.synchronize_gradients()
+        self.scaler.unscale_(self.optimizer)
+        norm = self.clip_gradients()
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)  # skips the step when the unscaled gradients hold inf/nan
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if scale_before is None:
+            skipped = torch.zeros((), dtype=torch.bool)
+        else:  # the scale only drops on a skipped step
+            skipped = torch.tensor(self.scaler.get_scale() < scale_before)
+        return norm.detach(), skipped
+
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.0
+
+    # collectives are identities on one process
+    def all_reduce(self, tensor, op="mean"):
+        return tensor
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+    # checkpoints: the full states in one file written by rank 0, RNG states in one file per rank
+    def _shared_state(self) -> dict:
+        return {
+            "model": self.unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def save_checkpoint(self, directory: str, state: dict) -> None:
+        shared = self._shared_state()
+        if self.is_main:
+            save_shared_file(directory, {**shared, "state": state})
+        save_rank_file(directory, self.rank)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        ckpt = load_shared_file(directory, self.device)
+        self.unwrap(self.model).load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        if os.path.exists(os.path.join(directory, f"rng-rank{self.rank}.pt")):
+            load_rank_file(directory, self.rank)
+        return ckpt["state"]
+
+    def full_state_dict(self, model) -> dict | None:
+        if not self.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}

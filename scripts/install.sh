@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Installs everything the project needs into .venv/ (see DEVELOPERS.md for why each step looks as it does).
+# Idempotent: each step checks whether its result is already there. Run through `make install`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+VENV=.venv
+CACHE=${DALLE_CACHE:-$HOME/.cache/dalle-pytorch}
+HOROVOD_VERSION=0.28.1
+YTTM_VERSION=1.0.6
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step() { echo "==> [install] $*"; }
+fail() {
+  echo "[install] FAILED at step: $CURRENT_STEP" >&2
+  echo "[install] what to try: $HINT" >&2
+  exit 1
+}
+trap fail ERR
+
+CURRENT_STEP="create $VENV"; HINT="check that $PY exists (set PYTHON=/path/to/python3.11), then rm -rf $VENV and rerun make install"
+if [ ! -x "$VENV/bin/python" ]; then
+  step "$CURRENT_STEP"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
+fi
+PIP="$VENV/bin/pip"
+VPY="$VENV/bin/python"
+
+have() { "$VPY" - "$@" <<'PYEOF'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    try:
+        if want and version(name) != want:
+            sys.exit(1)
+    except PackageNotFoundError:
+        sys.exit(1)
+PYEOF
+}
+
+CURRENT_STEP="torch + torchvision"; HINT="torch==2.14.1 and torchvision==0.29.1 must install together (see requirements.txt); check 'pip download torch==2.14.1' works"
+if ! have torch==2.14.1 torchvision==0.29.1; then
+  step "$CURRENT_STEP (large download the first time)"
+  "$PIP" install -q torch==2.14.1 torchvision==0.29.1
+fi
+
+CURRENT_STEP="youtokentome (needs Cython at build time)"; HINT="install gcc and the Python headers, then rerun make install"
+if ! have youtokentome==$YTTM_VERSION; then
+  step "$CURRENT_STEP"
+  "$PIP" install -q "Cython<3.2" setuptools wheel
+  "$PIP" install -q --no-build-isolation youtokentome==$YTTM_VERSION
+fi
+
+CURRENT_STEP="requirements.txt"; HINT="read the pip error above; a package pin in requirements.txt may be unavailable from your index"
+if ! "$VPY" -c "import deepspeed, webdataset, einops, tokenizers, tqdm, safetensors, pytest, PIL" 2>/dev/null \
+   || [ requirements.txt -nt "$VENV/.requirements-installed" ]; then
+  step "$CURRENT_STEP (deepspeed with DS_BUILD_OPS=0: ops are JIT-built when first used)"
+  DS_BUILD_OPS=0 "$PIP" install -q -r requirements.txt
+  touch "$VENV/.requirements-installed"
+fi
+
+CURRENT_STEP="horovod $HOROVOD_VERSION (built from source with Gloo, CPU-only)"
+HINT="needs cmake, g++ and make; the build log is in $CACHE/horovod-build.log; delete $CACHE/wheels to force a rebuild"
+if ! have horovod==$HOROVOD_VERSION; then
+  mkdir -p "$CACHE/wheels"
+  wheel=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$wheel" ]; then
+    step "$CURRENT_STEP: building the wheel (10-30 minutes on 2 cores, cached in $CACHE/wheels afterwards)"
+    src=$(mktemp -d)
+    "$PIP" download -q --no-deps --no-binary :all: horovod==$HOROVOD_VERSION -d "$src"
+    tar -xzf "$src"/horovod-$HOROVOD_VERSION.tar.gz -C "$src"
+    # horovod 0.28.1 asks for C++14; its core builds as C++17 and the torch extension needs C++20 for the
+    # headers of torch 2.14 ("C++20 or later compatible compiler is required to use PyTorch").
+    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/horovod-$HOROVOD_VERSION/CMakeLists.txt"
+    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 20/' "$src/horovod-$HOROVOD_VERSION/horovod/torch/CMakeLists.txt"
+    # The torch wheel is a CUDA build, which makes horovod build a CUDAExtension that links cudart; this
+    # machine has nvcc but no CUDA runtime and no GPU, so tell horovod's CMake that torch is CPU-only.
+    sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
+      "$src/horovod-$HOROVOD_VERSION/cmake/Modules/FindPytorch.cmake"
+    grep -q 'print(False)' "$src/horovod-$HOROVOD_VERSION/cmake/Modules/FindPytorch.cmake"
+    # CPU-only Gloo build: a CUDA compiler may exist without a GPU, and CUDA ops would then fail at runtime.
+    if ! env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+        HOROVOD_WITHOUT_MXNET=1 HOROVOD_GPU_OPERATIONS= HOROVOD_CPU_OPERATIONS=GLOO CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+        MAKEFLAGS="-j$(nproc)" \
+        "$PIP" wheel --no-deps --no-build-isolation -w "$src/dist" "$src/horovod-$HOROVOD_VERSION" \
+        >"$CACHE/horovod-build.log" 2>&1; then
+      tail -n 40 "$CACHE/horovod-build.log" >&2
+      false
+    fi
+    cp "$src"/dist/horovod-*.whl "$CACHE/wheels/"
+    rm -rf "$src"
+    wheel=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl | head -n 1)
+  fi
+  step "installing $(basename "$wheel")"
+  "$PIP" install -q --no-deps "$wheel"
+  "$PIP" install -q cloudpickle psutil pyyaml packaging cffi
+fi
+
+CURRENT_STEP="check the install"; HINT="rm -rf $VENV and rerun make install; if horovod fails, delete $CACHE/wheels too"
+"$VPY" - <<'PYEOF'
+import torch, torchvision, deepspeed, youtokentome, webdataset, einops  # noqa: F401
+import horovod.torch as hvd
+assert hvd.gloo_built(), "horovod was built without Gloo"
+print(f"[install] ok: torch {torch.__version__}, torchvision {torchvision.__version__}, "
+      f"deepspeed {deepspeed.__version__}, horovod {hvd.__version__ if hasattr(hvd, '__version__') else 'ok'}")
+PYEOF
+touch "$VENV/.installed"

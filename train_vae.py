@@ -1,0 +1,74 @@
+"""Train the discrete VAE that turns images into tokens and back.
+
+    python train_vae.py                                   # the built-in synthetic dataset
+    python train_vae.py --image_folder DIR                # any folder of images, nested or flat
+    torchrun --nproc_per_node 2 train_vae.py --image_folder DIR
+
+Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export vae.pt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from arguments import TrainConfig, build_parser, take
+from dalle_pytorch.cli import distributed_run, user_errors
+from dalle_pytorch.config_utils import flag
+from dalle_pytorch.vae import DiscreteVAE, VAEConfig
+
+
+@dataclass
+class VAERunConfig:
+    image_folder: str = flag("", "folder of images (searched recursively); empty: the built-in synthetic dataset")
+    resize_ratio: float = flag(1.0, "random resized crop keeps at least this fraction of the image (1: no crop)")
+    starting_temp: float = flag(1.0, "Gumbel-softmax temperature at step 0")
+    temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")
+    anneal_steps: int = flag(0, "steps over which the temperature anneals; 0: the whole run")
+    temp_schedule: str = flag("cosine", "temperature anneal shape", choices=("cosine", "exponential", "linear"))
+    vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.pt)")
+
+
+def _defaults(parser) -> None:
+    parser.set_defaults(learning_rate=2e-3, batch_size=32, sample_every=100, name="vae", log_every=20)
+
+
+def main(argv=None):
+    parser = build_parser(__doc__, (VAEConfig, "model"), (VAERunConfig, "VAE training"), (TrainConfig, "training"))
+    _defaults(parser)
+    ns = parser.parse_args(argv)
+    with user_errors(ns.debug):
+        return _train(take(ns, VAEConfig), take(ns, VAERunConfig), take(ns, TrainConfig))
+
+
+def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
+    from dalle_pytorch.data import ImageFolder
+    from dalle_pytorch.loop import train
+    from dalle_pytorch.shapes import ShapesDataset
+    from dalle_pytorch.vae_task import VAETask
+
+    with distributed_run(cfg, "vae", {"model": model_cfg, "vae": run_cfg, "train": cfg}) as (backend, run):
+        if run_cfg.image_folder:
+            dataset = ImageFolder(run_cfg.image_folder, model_cfg.image_size, model_cfg.channels, run_cfg.resize_ratio)
+        else:
+            if model_cfg.channels != 3:
+                raise ValueError("the built-in dataset is RGB: use --channels 3 or give --image_folder")
+            dataset = ShapesDataset(cfg.dataset_size, model_cfg.image_size, seed=cfg.seed)
+        run.print(f"data: {len(dataset)} images from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
+        vae = DiscreteVAE(model_cfg)
+        anneal = run_cfg.anneal_steps or cfg.steps or 0
+        task = VAETask(vae, dataset, run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
+                       (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule))
+        if not anneal:  # derive from the run length once it is known: anneal over the whole run
+            per_epoch = len(dataset) // (cfg.batch_size * backend.world_size * cfg.accumulation_steps(backend.world_size))
+            task.anneal_steps = max(cfg.epochs * per_epoch, 1)
+        pos = train(task, cfg, backend, run)
+        skipped = getattr(dataset, "num_skipped", 0)
+        if skipped:
+            run.print(f"skipped {skipped} unreadable images")
+        run.print(f"done at step {pos.step}: export {task.export_path}")
+        return task.export_path
+
+
+if __name__ == "__main__":
+    main()
