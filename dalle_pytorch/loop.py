@@ -187,7 +187,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
 
         if cfg.sample_every and pos.step % cfg.sample_every == 0:
-            task.write_samples(model, pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png") if backend.is_main else None)
+            task.write_samples(backend.unwrap(model), pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png") if backend.is_main else None)
             model.train()
         stopping = False
         if pos.step % cfg.log_every == 0:  # checked with the logging sync, not every step
@@ -203,7 +203,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     if bar is not None:
         bar.close()
     signal.signal(signal.SIGTERM, old_handler)
-    task.write_samples(model, pos.step, os.path.join(run.samples, "final.png") if backend.is_main else None)
+    task.write_samples(backend.unwrap(model), pos.step, os.path.join(run.samples, "final.png") if backend.is_main else None)
     return pos
 
 

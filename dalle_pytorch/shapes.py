@@ -170,6 +170,9 @@ class ShapesDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def caption(self, index: int) -> str:
+        return sample(self.seed, index, 16, self.split)[1]  # captions do not depend on the image size
+
     def scene(self, index: int) -> Scene:
         return sample(self.seed, index, self.image_size, self.split)[2]
 

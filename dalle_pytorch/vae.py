@@ -20,7 +20,7 @@ from .config_utils import flag
 @dataclass
 class VAEConfig:
     image_size: int = flag(32, "image side in pixels (a power of 2)")
-    num_tokens: int = flag(128, "codebook size: the image vocabulary of DALLE")
+    num_tokens: int = flag(64, "codebook size: the image vocabulary of DALLE")
     codebook_dim: int = flag(64, "dimension of each codebook vector")
     num_layers: int = flag(2, "stride-2 downsamplings: the token grid is image_size / 2**num_layers")
     num_resnet_blocks: int = flag(1, "residual blocks in the encoder and in the decoder")
@@ -28,7 +28,7 @@ class VAEConfig:
     channels: int = flag(3, "image channels: 3 (RGB) or 4 (RGBA)")
     temperature: float = flag(0.9, "Gumbel-softmax temperature when the loss is called without one")
     straight_through: bool = flag(False, "hard one-hot codes forward, soft gradients backward")
-    kl_div_loss_weight: float = flag(0.0, "weight of KL(q || uniform prior)")
+    kl_div_loss_weight: float = flag(1e-3, "weight of KL(q || uniform prior); keeps codebook usage up")
     smooth_l1_loss: bool = flag(False, "smooth-L1 reconstruction loss instead of MSE")
     # per-channel (mean, std) applied to inputs in [0, 1]; None means 0.5 and 0.5 for every channel
     normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None

@@ -60,12 +60,15 @@ class VAETask:
         save_export(path, "vae", self.model.cfg.to_dict(), weights)
 
 
-def load_vae(path: str, map_location="cpu") -> DiscreteVAE:
-    """The frozen, eval-mode VAE stored in an export written by train_vae.py."""
+def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
+    """The frozen, eval-mode VAE stored in an export written by train_vae.py, and the export itself."""
     obj = load_export(path, "vae")
+    return vae_from_export(obj).to(map_location), obj
+
+
+def vae_from_export(obj: dict) -> DiscreteVAE:
     cfg = dict(obj["config"])
     cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
     vae = DiscreteVAE(VAEConfig(**cfg))
     vae.load_state_dict(obj["weights"])
-    vae.eval().requires_grad_(False)
-    return vae.to(map_location)
+    return vae.eval().requires_grad_(False)

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine:  make demo   and   make test
+VENV := .venv
+PY := $(VENV)/bin/python
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: install demo test test-all lint format clean
+
+install: $(VENV)/.installed
+
+# Reruns only when the pins or the installer change; the installer itself skips what is already there.
+$(VENV)/.installed: requirements.txt scripts/install.sh
+	bash scripts/install.sh
+
+demo: install
+	$(PY) scripts/demo.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# The default suite: unit tests and the quick multi-rank and launcher tests (under 15 minutes on 2 cores).
+test: install lint
+	$(PY) -m pytest -q -m "not slow"
+
+# Everything, including the slow end-to-end checks.
+test-all: install lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf runs outputs demo .pytest_cache .ruff_cache

@@ -1,0 +1,188 @@
+"""DALLE: a decoder-only transformer over [<bos>, caption tokens, image tokens] (Ramesh et al. 2021).
+
+The frozen VAE stays outside this module: the model sees image token ids, the trainer tokenizes images.
+Text and image have their own embeddings and output heads, which is the logits mask in structural form:
+text positions can only predict text tokens and image positions only image tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config_utils import flag
+from .transformer import ATTN_TYPES, KVCache, Transformer
+
+
+@dataclass
+class DALLEConfig:
+    dim: int = flag(256, "model width")
+    depth: int = flag(4, "transformer blocks")
+    heads: int = flag(4, "attention heads")
+    dim_head: int = flag(64, "width of each attention head")
+    ff_mult: int = flag(4, "feed-forward expansion")
+    attn_dropout: float = flag(0.0, "attention dropout")
+    ff_dropout: float = flag(0.0, "feed-forward dropout")
+    attn_types: list = flag(["full"], "attention pattern per layer, cycled over depth: " + ", ".join(ATTN_TYPES))
+    text_seq_len: int = flag(32, "caption tokens (longer captions are truncated)")
+    loss_img_weight: float = flag(7.0, "weight of the image loss against the text loss")
+    shift_tokens: bool = flag(False, "token shift: mix in the previous / left / upper token's features")
+    rotary_emb: bool = flag(False, "rotary positions (1-D for text, 2-D axial for the image) instead of learned")
+    share_input_output_emb: bool = flag(False, "tie each output head to its input embedding")
+    stable: bool = flag(False, "CogView-style stabilization: LayerScale branches and max-normalized logits")
+    sandwich_norm: bool = flag(False, "normalize each branch output as well as its input")
+    qk_norm: bool = flag(False, "LayerNorm on queries and keys per head")
+    z_loss_weight: float = flag(0.0, "weight of the z-loss (mean squared log-partition of the logits)")
+    null_cond_prob: float = flag(0.0, "probability of dropping the caption in training (enables --cond_scale)")
+    # set from the tokenizer and the VAE, not from flags
+    num_text_tokens: int = 257
+    num_image_tokens: int = 128
+    image_fmap_size: int = 8
+
+    def __post_init__(self):
+        self.attn_types = list(self.attn_types)
+        for t in self.attn_types:
+            if t not in ATTN_TYPES:
+                raise ValueError(f"--attn_types: unknown type {t!r}; use any of {', '.join(ATTN_TYPES)}")
+        if self.dim % 4 or self.dim < 4:
+            raise ValueError(f"--dim must be a positive multiple of 4 (got {self.dim})")
+        if not 0 <= self.null_cond_prob < 1:
+            raise ValueError(f"--null_cond_prob must be in [0, 1) (got {self.null_cond_prob})")
+
+    @property
+    def image_seq_len(self) -> int:
+        return self.image_fmap_size**2
+
+    @property
+    def seq_len(self) -> int:
+        """Input positions: bos + text + image - 1 (the last image token is never an input)."""
+        return self.text_seq_len + self.image_seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DivideMax(nn.Module):
+    """x / max(x) over the last dim, detached (CogView's PB-relax for the final logits)."""
+
+    def forward(self, x):
+        return x / x.amax(dim=-1, keepdim=True).detach().clamp_min(1e-4)
+
+
+class DALLE(nn.Module):
+    def __init__(self, cfg: DALLEConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.bos = nn.Parameter(torch.randn(d) * 0.02)
+        self.text_emb = nn.Embedding(cfg.num_text_tokens, d)
+        self.image_emb = nn.Embedding(cfg.num_image_tokens, d)
+        if not cfg.rotary_emb:
+            self.text_pos = nn.Embedding(cfg.text_seq_len + 1, d)
+            self.image_row = nn.Embedding(cfg.image_fmap_size, d)
+            self.image_col = nn.Embedding(cfg.image_fmap_size, d)
+        self.transformer = Transformer(cfg)
+        self.norm = nn.LayerNorm(d)
+        self.divide_max = DivideMax() if cfg.stable else nn.Identity()
+        self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=False)
+        self.image_head = nn.Linear(d, cfg.num_image_tokens, bias=False)
+        if cfg.share_input_output_emb:
+            self.text_head.weight = self.text_emb.weight
+            self.image_head.weight = self.image_emb.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------------------------------ layout
+    def _check(self, text: torch.Tensor, image: torch.Tensor | None) -> None:
+        c = self.cfg
+        if text.dim() != 2 or text.shape[1] != c.text_seq_len:
+            raise ValueError(f"text must be (b, {c.text_seq_len}) token ids, got {tuple(text.shape)}")
+        if image is not None and (image.dim() != 2 or image.shape[1] > c.image_seq_len):
+            raise ValueError(f"image must be (b, <= {c.image_seq_len}) token ids, got {tuple(image.shape)}")
+
+    def embed(self, text: torch.Tensor, image: torch.Tensor | None, start: int = 0) -> torch.Tensor:
+        """Embeddings of input positions start.. for [bos, text, image tokens given]: (b, m, dim)."""
+        b, c = text.shape[0], self.cfg
+        parts = []
+        if start <= c.text_seq_len:
+            t = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
+            if not c.rotary_emb:
+                t = t + self.text_pos.weight
+            parts.append(t[:, start:])
+        if image is not None and image.shape[1]:
+            first = max(start - c.text_seq_len - 1, 0)
+            img = self.image_emb(image[:, first:])
+            if not c.rotary_emb:
+                idx = torch.arange(first, image.shape[1], device=image.device)
+                img = img + self.image_row(idx // c.image_fmap_size) + self.image_col(idx % c.image_fmap_size)
+            parts.append(img)
+        return torch.cat(parts, dim=1)
+
+    def _hidden(self, text, image, cache=None, start=0):
+        return self.divide_max(self.norm(self.transformer(self.embed(text, image, start), cache, start)))
+
+    def logits(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """(b, seq_len, num_text_tokens + num_image_tokens), -inf where a position may not predict a token."""
+        self._check(text, image)
+        h = self._hidden(text, image[:, :-1])
+        c = self.cfg
+        t, i = c.text_seq_len, c.num_text_tokens
+        out = torch.full((*h.shape[:2], i + c.num_image_tokens), float("-inf"), device=h.device, dtype=h.dtype)
+        out[:, :t, :i] = self.text_head(h[:, :t])
+        out[:, t:, i:] = self.image_head(h[:, t:])
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    def forward(self, text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The training loss (weighted text + image cross-entropy) and metrics; `forward` so wrappers see it."""
+        self._check(text, image)
+        c = self.cfg
+        if self.training and c.null_cond_prob > 0:  # caption dropout for classifier-free guidance
+            keep = torch.rand(text.shape[0], 1, device=text.device) >= c.null_cond_prob
+            text = text * keep
+        h = self._hidden(text, image[:, :-1])  # (b, T + I, d)
+        text_logits = self.text_head(h[:, : c.text_seq_len]).float()  # position p predicts text token p
+        image_logits = self.image_head(h[:, c.text_seq_len :]).float()  # position T + k predicts image token k
+        # padding (id 0) gets no loss; an all-padding caption contributes nothing to the text loss
+        text_loss = F.cross_entropy(text_logits.transpose(1, 2), text, ignore_index=0, reduction="sum")
+        text_loss = text_loss / (text != 0).sum().clamp_min(1)
+        image_loss = F.cross_entropy(image_logits.transpose(1, 2), image)
+        loss = (text_loss + c.loss_img_weight * image_loss) / (c.loss_img_weight + 1)
+        metrics = {"text_loss": text_loss.detach(), "image_loss": image_loss.detach()}
+        if c.z_loss_weight > 0:  # PaLM's z-loss keeps the log-partition near 0
+            z = torch.cat([text_logits.logsumexp(-1).flatten(), image_logits.logsumexp(-1).flatten()])
+            z_loss = z.pow(2).mean()
+            loss = loss + c.z_loss_weight * z_loss
+            metrics["z_loss"] = z_loss.detach()
+        return loss, metrics
+
+    # ------------------------------------------------------------------------------------------ decoding
+    def new_cache(self, batch: int, device, dtype=torch.float32) -> KVCache:
+        c = self.cfg
+        return KVCache(batch, c.seq_len, c.depth, c.heads, c.dim_head, c.dim, device, dtype, c.shift_tokens)
+
+    def prefill(self, text: torch.Tensor, cache: KVCache, image_prime: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the caption (and any priming image tokens) through the model; logits for the next image token (b, V)."""
+        self._check(text, image_prime)
+        h = self._hidden(text, image_prime, cache, 0)
+        return self.image_head(h[:, -1]).float()
+
+    def decode_one_token(self, text: torch.Tensor, image: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Given image tokens so far (b, k) with k >= 1, logits for image token k (b, V); one new position."""
+        start = self.cfg.text_seq_len + image.shape[1]
+        h = self._hidden(text, image, cache, start)
+        return self.image_head(h[:, -1]).float()
+
+    def next_image_logits_uncached(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """Reference path without a cache: the whole prefix every step (for tests and comparison)."""
+        h = self._hidden(text, image)
+        return self.image_head(h[:, -1]).float()

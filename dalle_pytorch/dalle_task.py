@@ -1,0 +1,90 @@
+"""Training DALLE as a loop task: captions tokenized in the data workers, images tokenized by the frozen
+VAE once per batch under no_grad in fp32, sample grids for fixed captions, and the self-contained export."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+from torchvision.utils import save_image
+
+from .checkpoints import load_export, save_export
+from .dalle import DALLE, DALLEConfig
+from .sampling import generate_image_tokens
+from .tokenizer import Tokenizer, tokenizer_from_dict
+from .vae_task import vae_from_export
+
+
+class TokenizedCaptions(torch.utils.data.Dataset):
+    """(image, caption) -> (image, caption ids (text_seq_len,)); counts truncated captions across workers."""
+
+    def __init__(self, base, tokenizer: Tokenizer, text_seq_len: int, truncate: bool):
+        self.base, self.tokenizer, self.text_seq_len, self.truncate = base, tokenizer, text_seq_len, truncate
+        self.truncated = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index):
+        image, caption = self.base[index]
+        ids, cut = self.tokenizer.tokenize(caption, self.text_seq_len, self.truncate)
+        if cut:
+            with self.truncated.get_lock():
+                self.truncated.value += cut
+        return image, ids[0]
+
+
+class DALLETask:
+    name = "dalle"
+
+    def __init__(self, dalle: DALLE, vae, vae_export: dict, tokenizer: Tokenizer, dataset, export_path: str,
+                 sample_captions: list[str], seed: int = 0):
+        self.model = dalle
+        self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
+        self.vae_export = vae_export
+        self.tokenizer = tokenizer
+        self.dataset = TokenizedCaptions(dataset, tokenizer, dalle.cfg.text_seq_len, truncate=True)
+        self.export_path = export_path
+        self.sample_captions = sample_captions
+        self.seed = seed
+
+    def prepare_batch(self, batch, device):
+        images, text = batch
+        images = images.to(device, non_blocking=True)
+        if next(self.vae.parameters()).device != device:
+            self.vae.to(device)
+        with torch.no_grad():
+            image_tokens = self.vae.get_codebook_indices(images.float())  # (b, fmap^2), VAE in fp32
+        return text.to(device, non_blocking=True), image_tokens
+
+    def loss(self, model, batch, step):
+        text, image_tokens = batch
+        return model(text, image_tokens)
+
+    def window_metrics(self) -> dict:
+        return {"truncated_captions": self.dataset.truncated.value}
+
+    @torch.no_grad()
+    def write_samples(self, model, step, path):
+        if path is None or not self.sample_captions:
+            return
+        model.eval()
+        device = next(model.parameters()).device
+        text, _ = self.tokenizer.tokenize(self.sample_captions, model.cfg.text_seq_len)
+        g = torch.Generator(device).manual_seed(self.seed)
+        tokens = generate_image_tokens(model, text.to(device), generator=g)
+        save_image(self.vae.decode(tokens)[:, :3].cpu(), path, nrow=len(self.sample_captions), padding=1)
+        with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write("\n".join(self.sample_captions) + "\n")
+
+    def export(self, weights, path):
+        save_export(path, "dalle", self.model.cfg.to_dict(), weights, vae=self.vae_export, tokenizer=self.tokenizer.to_dict())
+
+
+def load_dalle(path: str, device="cpu"):
+    """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`."""
+    obj = load_export(path, "dalle")
+    dalle = DALLE(DALLEConfig(**obj["config"]))
+    dalle.load_state_dict(obj["weights"])
+    vae = vae_from_export(obj["vae"])
+    return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])

@@ -1,0 +1,172 @@
+"""Text tokenizers behind one interface: a plain byte tokenizer, YouTokenToMe BPE, Hugging Face JSON.
+
+Id 0 is padding in every tokenizer. A tokenizer serializes to a small dict of strings that goes into the
+run directory and the DALLE export, so generation always uses the tokenizer training used.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from abc import ABC, abstractmethod
+
+import torch
+
+PAD = 0
+
+
+class Tokenizer(ABC):
+    kind: str
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def to_dict(self) -> dict:
+        """{'kind': ..., 'data': str}: enough to rebuild the tokenizer anywhere."""
+
+    def tokenize(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
+        """(b, context_length) long, padded with 0, and how many captions were truncated.
+
+        Ids are checked on the CPU here, so an out-of-range id is a clear error, not a device-side assert.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        out = torch.zeros(len(texts), context_length, dtype=torch.long)
+        truncated = 0
+        for i, text in enumerate(texts):
+            ids = self.encode(text)
+            if len(ids) > context_length:
+                if not truncate:
+                    raise ValueError(
+                        f"caption of {len(ids)} tokens is longer than --text_seq_len {context_length}: "
+                        f"raise --text_seq_len or allow --truncate_captions ({text[:60]!r})"
+                    )
+                ids, truncated = ids[:context_length], truncated + 1
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if out.numel() and (out.min() < 0 or out.max() >= self.vocab_size):
+            raise ValueError(f"tokenizer produced ids outside [0, {self.vocab_size}): the tokenizer file is inconsistent")
+        return out, truncated
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes shifted by one (0 is padding): no training, any text."""
+
+    kind = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 257
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 1 for i in ids if 0 < i < 257).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "data": ""}
+
+
+class YttmTokenizer(Tokenizer):
+    """Byte-level BPE from YouTokenToMe (pad 0, unk 1, bos 2, eos 3)."""
+
+    kind = "yttm"
+
+    def __init__(self, model_text: str):
+        import youtokentome as yttm
+
+        self.model_text = model_text
+        with tempfile.NamedTemporaryFile("w", suffix=".yttm", delete=False) as f:
+            f.write(model_text)
+        try:
+            self.bpe = yttm.BPE(model=f.name)
+        finally:
+            os.unlink(f.name)
+
+    @classmethod
+    def from_file(cls, path: str) -> YttmTokenizer:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--bpe_path {path} does not exist")
+        with open(path) as f:
+            return cls(f.read())
+
+    @classmethod
+    def train(cls, captions: list[str], vocab_size: int, path: str) -> YttmTokenizer:
+        """Train a BPE on `captions` and save it to `path`."""
+        import youtokentome as yttm
+
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write("\n".join(c.lower() for c in captions))
+        try:
+            yttm.BPE.train(data=f.name, model=path, vocab_size=vocab_size, n_threads=1)
+        finally:
+            os.unlink(f.name)
+        return cls.from_file(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.bpe.vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        import youtokentome as yttm
+
+        return self.bpe.encode([text.lower()], output_type=yttm.OutputType.ID)[0]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.bpe.decode([[i for i in ids if i != PAD]], ignore_ids=[PAD])[0]
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "data": self.model_text}
+
+
+class HugTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` JSON file; ids are shifted by one so that 0 stays padding."""
+
+    kind = "hug"
+
+    def __init__(self, json_text: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.json_text = json_text
+        self.tok = HFTokenizer.from_str(json_text)
+
+    @classmethod
+    def from_file(cls, path: str) -> HugTokenizer:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--bpe_path {path} does not exist")
+        with open(path) as f:
+            return cls(f.read())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size() + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [i + 1 for i in self.tok.encode(text).ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i - 1 for i in ids if i > 0])
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "data": self.json_text}
+
+
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    kinds = {"byte": lambda _: ByteTokenizer(), "yttm": YttmTokenizer, "hug": HugTokenizer}
+    if d.get("kind") not in kinds:
+        raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted(kinds)}")
+    return kinds[d["kind"]](d["data"])
+
+
+def warn_truncated(count: int, total: int, context_length: int) -> None:
+    if count:
+        warnings.warn(f"{count} of {total} captions were truncated to --text_seq_len {context_length}", stacklevel=2)

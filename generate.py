@@ -1,0 +1,127 @@
+"""Turn a trained DALLE export into images.
+
+    python generate.py --dalle_path runs/dalle/dalle.pt --text "a red circle above a blue square"
+    python generate.py --dalle_path dalle.pt --text "a red circle|a blue square" --num_images 8 --cond_scale 3
+    python generate.py --dalle_path dalle.pt --text_file prompts.txt --seed 1
+
+Writes outputs/<prompt>/0000.png ..., grid.png and settings.json per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import torch
+
+
+def sanitize(prompt: str, max_len: int = 80) -> str:
+    """A folder name for `prompt` that cannot leave the output folder: no separators, no dot-only names."""
+    name = re.sub(r"[^A-Za-z0-9 _,-]+", "", prompt).strip().replace(" ", "_")[:max_len].strip("._")
+    return name or "prompt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dalle_path", required=True, help="DALLE export written by train_dalle.py")
+    p.add_argument("--text", default="", help="prompts separated by |")
+    p.add_argument("--text_file", default="", help="a file with one prompt per line")
+    p.add_argument("--num_images", type=int, default=4, help="images per prompt")
+    p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--cond_scale", type=float, default=1.0, help="classifier-free guidance scale (1: off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same images")
+    p.add_argument("--img", default="", help="prime with the top rows of this image")
+    p.add_argument("--num_init_img_tokens", type=int, default=0, help="image tokens taken from --img (default: a quarter)")
+    p.add_argument("--outputs_dir", default="outputs", help="where the prompt folders go")
+    p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--no_cache", action="store_true", help="recompute the whole prefix every token (slow; for checks)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    prompts = [t.strip() for t in args.text.split("|") if t.strip()]
+    if args.text_file:
+        if not os.path.exists(args.text_file):
+            raise FileNotFoundError(f"--text_file {args.text_file} does not exist")
+        with open(args.text_file, encoding="utf-8") as f:
+            prompts += [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("give a prompt with --text \"a red circle\" or --text_file FILE")
+    return prompts
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from dalle_pytorch.cli import user_errors
+
+    with user_errors(args.debug):
+        return _generate(args)
+
+
+def _generate(args):
+    from PIL import Image
+    from torchvision.utils import save_image
+    from tqdm import tqdm
+
+    from dalle_pytorch.dalle_task import load_dalle
+    from dalle_pytorch.data import image_transform
+    from dalle_pytorch.sampling import generate_image_tokens
+
+    prompts = read_prompts(args)
+    if args.num_images < 1 or args.batch_size < 1:
+        raise ValueError("--num_images and --batch_size must be at least 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dalle, vae, tokenizer = load_dalle(args.dalle_path, device)
+    cfg = dalle.cfg
+    prime = None
+    if args.img:
+        if not os.path.exists(args.img):
+            raise FileNotFoundError(f"--img {args.img} does not exist")
+        image = image_transform(vae.image_size, train=False)(Image.open(args.img).convert("RGB"))[None].to(device)
+        n = args.num_init_img_tokens or cfg.image_seq_len // 4
+        if not 0 < n < cfg.image_seq_len:
+            raise ValueError(f"--num_init_img_tokens must be between 1 and {cfg.image_seq_len - 1} (got {n})")
+        prime = vae.get_codebook_indices(image)[:, :n]
+
+    g = torch.Generator(device).manual_seed(args.seed)
+    total_tokens = len(prompts) * args.num_images * (cfg.image_seq_len - (0 if prime is None else prime.shape[1]))
+    bar = tqdm(total=total_tokens, unit="tok", disable=args.quiet)
+    written = []
+    for prompt in prompts:
+        text, truncated = tokenizer.tokenize(prompt, cfg.text_seq_len)
+        if truncated:
+            print(f"warning: prompt truncated to {cfg.text_seq_len} tokens: {prompt!r}")
+        folder = os.path.join(args.outputs_dir, sanitize(prompt))
+        os.makedirs(folder, exist_ok=True)
+        images = []
+        for start in range(0, args.num_images, args.batch_size):
+            b = min(args.batch_size, args.num_images - start)
+            tokens = generate_image_tokens(
+                dalle, text.to(device).expand(b, -1), temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, cond_scale=args.cond_scale, generator=g, use_cache=not args.no_cache,
+                prime=None if prime is None else prime.expand(b, -1), on_token=lambda b=b: bar.update(b),
+            )
+            images.append(vae.decode(tokens).cpu())
+        images = torch.cat(images)[:, :3]
+        for i, img in enumerate(images):
+            save_image(img, os.path.join(folder, f"{i:04d}.png"))
+        save_image(images, os.path.join(folder, "grid.png"), nrow=min(len(images), 8), padding=1)
+        settings = {k: v for k, v in vars(args).items() if k not in ("text", "text_file", "quiet", "debug")}
+        with open(os.path.join(folder, "settings.json"), "w") as f:
+            json.dump({"prompt": prompt, **settings}, f, indent=2)
+        written.append(folder)
+    bar.close()
+    for folder in written:
+        print(f"images: {folder}/")
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Train the DALLE transformer on caption/image pairs with a frozen VAE.
+
+    python train_dalle.py --vae_path runs/vae/vae.pt                        # the built-in synthetic dataset
+    python train_dalle.py --vae_path vae.pt --image_text_folder DIR         # x.jpg beside x.txt, nested
+    torchrun --nproc_per_node 2 train_dalle.py --vae_path vae.pt --image_text_folder DIR
+
+Writes runs/dalle/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/, the tokenizer) and the
+export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from arguments import TrainConfig, build_parser, take
+from dalle_pytorch.cli import distributed_run, user_errors
+from dalle_pytorch.config_utils import flag
+from dalle_pytorch.dalle import DALLE, DALLEConfig
+
+DEFAULT_SAMPLE_CAPTIONS = [
+    "a large red circle on the left",
+    "a small blue triangle above a large yellow square",
+    "a big green square to the right of a small purple circle",
+    "a small cyan triangle in the center",
+]
+
+
+@dataclass
+class DALLERunConfig:
+    vae_path: str = flag("", "VAE export written by train_vae.py (required)")
+    image_text_folder: str = flag("", "folder of x.jpg + x.txt pairs; empty: the built-in synthetic dataset")
+    resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
+    tokenizer: str = flag("yttm", "text tokenizer when no --bpe_path is given", choices=("yttm", "byte"))
+    bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
+    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
+    bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
+    dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.pt)")
+    sample_captions: list = flag(DEFAULT_SAMPLE_CAPTIONS, "captions drawn in the sample grids")
+
+
+def main(argv=None):
+    parser = build_parser(__doc__, (DALLEConfig, "model"), (DALLERunConfig, "DALLE training"), (TrainConfig, "training"))
+    parser.set_defaults(learning_rate=1e-3, batch_size=32, warmup_steps=50, name="dalle", weight_decay=0.01)
+    ns = parser.parse_args(argv)
+    with user_errors(ns.debug):
+        return _train(take(ns, DALLEConfig), take(ns, DALLERunConfig), take(ns, TrainConfig))
+
+
+def _captions_for_bpe(dataset, limit: int = 20000) -> list[str]:
+    return [dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))]
+
+
+def _tokenizer(run_cfg: DALLERunConfig, dataset, run, backend):
+    from dalle_pytorch.tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer
+
+    if run_cfg.bpe_path:
+        return (HugTokenizer if run_cfg.hug else YttmTokenizer).from_file(run_cfg.bpe_path)
+    if run_cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    path = os.path.join(run.path, "bpe.yttm")
+    if backend.is_main:  # train once, on rank 0, then every rank loads the same file
+        YttmTokenizer.train(_captions_for_bpe(dataset), run_cfg.bpe_vocab_size, path)
+        run.print(f"trained a {run_cfg.bpe_vocab_size}-token BPE on the captions: {path}")
+    backend.barrier()
+    return YttmTokenizer.from_file(path)
+
+
+def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
+    from dalle_pytorch.dalle_task import DALLETask
+    from dalle_pytorch.data import CaptionFolder
+    from dalle_pytorch.loop import train
+    from dalle_pytorch.shapes import ShapesDataset
+    from dalle_pytorch.vae_task import load_vae
+
+    if not run_cfg.vae_path:
+        raise ValueError("--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt")
+    vae, vae_export = load_vae(run_cfg.vae_path)
+    with distributed_run(cfg, "dalle", {"model": model_cfg, "dalle": run_cfg, "train": cfg}) as (backend, run):
+        if run_cfg.image_text_folder:
+            dataset = CaptionFolder(run_cfg.image_text_folder, vae.image_size, vae.channels, run_cfg.resize_ratio)
+        else:
+            dataset = ShapesDataset(cfg.dataset_size, vae.image_size, seed=cfg.seed)
+        run.print(f"data: {len(dataset)} pairs from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
+        tokenizer = _tokenizer(run_cfg, dataset, run, backend)
+        model_cfg.num_text_tokens = tokenizer.vocab_size
+        model_cfg.num_image_tokens = vae.num_tokens
+        model_cfg.image_fmap_size = vae.fmap_size
+        dalle = DALLE(model_cfg)
+        n_params = sum(p.numel() for p in dalle.parameters())
+        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, VAE {run_cfg.vae_path}")
+        task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, run_cfg.dalle_output or os.path.join(run.path, "dalle.pt"),
+                         run_cfg.sample_captions, cfg.seed)
+        pos = train(task, cfg, backend, run)
+        skipped = getattr(dataset, "num_skipped", 0)
+        if skipped:
+            run.print(f"skipped {skipped} unreadable samples")
+        if task.dataset.truncated.value:
+            run.print(f"truncated {task.dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
+        run.print(f"done at step {pos.step}: export {task.export_path}")
+        return task.export_path
+
+
+if __name__ == "__main__":
+    main()
