@@ -93,6 +93,9 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
         pin_memory=backend.device.type == "cuda",
         drop_last=True,
         persistent_workers=False,
+        # its own generator: creating an iterator must not consume the global RNG, or a resumed run's
+        # random stream (Gumbel noise, dropout) would drift from the uninterrupted one
+        generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
     batches_per_epoch = sampler.per_rank // cfg.batch_size

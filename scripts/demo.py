@@ -1,0 +1,51 @@
+"""The main job on the built-in synthetic captioned dataset, end to end, on a CPU in about 10 minutes:
+train the VAE, train DALLE on its tokens, generate images for a few captions, evaluate by parsing.
+
+    make demo            (or: .venv/bin/python scripts/demo.py [--out demo])
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import generate  # noqa: E402
+import train_dalle  # noqa: E402
+import train_vae  # noqa: E402
+from dalle_pytorch import evaluate  # noqa: E402
+
+CAPTIONS = "a large red circle on the left|a small blue triangle above a large yellow square|a big green square in the center"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="demo", help="folder for the runs, the images and the evaluation")
+    p.add_argument("--vae_steps", type=int, default=1200)
+    p.add_argument("--dalle_steps", type=int, default=1200)
+    p.add_argument("--eval_images", type=int, default=200, help="generated images per split in the evaluation")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    common = ["--output_dir", os.path.join(args.out, "runs"), "--num_workers", "1", "--quiet", "--log_every", "100"]
+    vae_path = train_vae.main(["--steps", str(args.vae_steps), "--save_every_n_steps", "0", *common])
+    t1 = time.time()
+    dalle_path = train_dalle.main(
+        ["--vae_path", vae_path, "--steps", str(args.dalle_steps), "--text_seq_len", "16", "--save_every_n_steps", "0",
+         "--sample_every", "400", *common]
+    )
+    t2 = time.time()
+    folders = generate.main(["--dalle_path", dalle_path, "--text", CAPTIONS, "--outputs_dir", os.path.join(args.out, "outputs"), "--quiet"])
+    evaluate.main(["--vae_path", vae_path, "--dalle_path", dalle_path, "--num_images", str(args.eval_images),
+                   "--out", os.path.join(args.out, "eval")])
+    t3 = time.time()
+    print(f"\ntimes: VAE {t1 - t0:.0f}s, DALLE {t2 - t1:.0f}s, generation + evaluation {t3 - t2:.0f}s")
+    print(f"runs:   {os.path.join(args.out, 'runs')}/ (vae/, dalle/: metrics.jsonl, samples/, train.log)")
+    print("images: " + ", ".join(f + "/" for f in folders))
+    print(f"eval:   {os.path.join(args.out, 'eval')}/ (results.json, results.txt, generated_seen.png, generated_heldout.png)")
+
+
+if __name__ == "__main__":
+    main()

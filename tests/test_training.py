@@ -1,0 +1,128 @@
+"""The trainers end to end on one process: run directory, resume, checkpoint safety, user errors."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import train_dalle
+import train_vae
+from dalle_pytorch.checkpoints import safe_load, step_dirs
+
+TINY_VAE = ["--image_size", "16", "--num_tokens", "16", "--hidden_dim", "16", "--codebook_dim", "16",
+            "--batch_size", "8", "--num_workers", "0", "--quiet", "--dataset_size", "200", "--log_every", "2"]
+
+
+def tiny_dalle(vae_path):
+    return ["--vae_path", vae_path, "--dim", "32", "--depth", "2", "--heads", "2", "--dim_head", "16",
+            "--text_seq_len", "12", "--tokenizer", "byte", "--batch_size", "8", "--num_workers", "0", "--quiet",
+            "--dataset_size", "200", "--log_every", "2", "--sample_captions", "a red circle", "a blue square"]
+
+
+@pytest.fixture(scope="module")
+def vae_path(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vae")
+    return train_vae.main([*TINY_VAE, "--steps", "4", "--output_dir", str(out), "--sample_every", "2"])
+
+
+def test_vae_run_directory(vae_path):
+    run = os.path.dirname(vae_path)
+    for name in ("config.json", "metrics.jsonl", "train.log", "vae.pt"):
+        assert os.path.exists(os.path.join(run, name)), name
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert {"loss", "lr", "grad_norm", "temperature", "codebook_usage", "images_per_s"} <= set(rows[-1])
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["derived"]["global_batch_size"] == 8 and cfg["model"]["image_size"] == 16
+    from PIL import Image
+
+    grid = Image.open(os.path.join(run, "samples", "step-00000002.png"))
+    assert grid.size[0] > 16 * 8 and grid.size[1] > 16 * 3  # 8 images per row, 3 rows
+    assert step_dirs(os.path.join(run, "checkpoints"))
+
+
+def _weights(path):
+    return safe_load(path)["weights"]
+
+
+def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
+    args = [*tiny_dalle(vae_path), "--steps", "6", "--save_every_n_steps", "3", "--keep_n_checkpoints", "5",
+            "--output_dir", str(tmp_path), "--sample_every", "3"]
+    export = train_dalle.main(args)
+    full = _weights(export)
+    ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
+    newest = step_dirs(ckpts)[0]
+    assert newest.endswith("step-00000006")
+    import shutil
+
+    shutil.rmtree(newest)  # as if the run died after step 3's checkpoint
+    os.remove(export)
+    train_dalle.main([*args, "--resume", "auto"])
+    resumed = _weights(export)
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+
+
+def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
+    args = [*TINY_VAE, "--steps", "4", "--save_every_n_steps", "2", "--keep_n_checkpoints", "5", "--output_dir", str(tmp_path),
+            "--sample_every", "0"]
+    export = train_vae.main(args)
+    full = _weights(export)
+    import shutil
+
+    shutil.rmtree(step_dirs(os.path.join(tmp_path, "vae", "checkpoints"))[0])
+    train_vae.main([*args, "--resume", "auto"])
+    resumed = _weights(export)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_auto_resume_skips_partial_and_corrupt(vae_path, tmp_path, capsys):
+    args = [*tiny_dalle(vae_path), "--steps", "4", "--save_every_n_steps", "2", "--keep_n_checkpoints", "5",
+            "--output_dir", str(tmp_path), "--sample_every", "0"]
+    train_dalle.main(args)
+    ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
+    os.makedirs(os.path.join(ckpts, "step-00000009.tmp"))  # a write killed midway: never picked
+    newest = step_dirs(ckpts)[0]
+    with open(os.path.join(newest, "states.pt"), "r+b") as f:  # truncated by a crash or a full disk
+        f.truncate(100)
+    train_dalle.main([*args, "--resume", "auto", "--steps", "4"])
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "truncated or corrupted" in out
+    assert "resumed from" in out and "step-00000002" in out
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/dalle_pwned",))
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"weights": Evil()}, path, pickle_module=pickle)
+    with pytest.raises(ValueError, match="refusing to load"):
+        safe_load(str(path))
+    assert not os.path.exists("/tmp/dalle_pwned")
+
+
+def test_user_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_vae.main([*TINY_VAE, "--image_folder", str(tmp_path), "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "no images under" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        train_dalle.main(["--output_dir", str(tmp_path)])
+    assert "--vae_path is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_vae.main([*TINY_VAE, "--global_batch_size", "12", "--output_dir", str(tmp_path)])
+    assert "not a multiple" in capsys.readouterr().err
+
+
+def test_accumulation_equals_large_batch(vae_path, tmp_path):
+    common = [*tiny_dalle(vae_path), "--steps", "3", "--save_every_n_steps", "0", "--sample_every", "0"]
+    big = train_dalle.main([*common, "--batch_size", "8", "--output_dir", str(tmp_path / "a")])
+    acc = train_dalle.main([*common, "--batch_size", "4", "--global_batch_size", "8", "--output_dir", str(tmp_path / "b")])
+    a, b = _weights(big), _weights(acc)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
