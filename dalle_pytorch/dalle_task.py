@@ -66,13 +66,14 @@ class DALLETask:
 
     @torch.no_grad()
     def write_samples(self, model, step, path):
-        if path is None or not self.sample_captions:
+        if not self.sample_captions:
             return
-        model.eval()
         device = next(model.parameters()).device
         text, _ = self.tokenizer.tokenize(self.sample_captions, model.cfg.text_seq_len)
         g = torch.Generator(device).manual_seed(self.seed)
         tokens = generate_image_tokens(model, text.to(device), generator=g)
+        if path is None:
+            return
         save_image(self.vae.decode(tokens)[:, :3].cpu(), path, nrow=len(self.sample_captions), padding=1)
         with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
             f.write("\n".join(self.sample_captions) + "\n")

@@ -30,7 +30,7 @@ class Task(Protocol):
     def prepare_batch(self, batch, device: torch.device): ...  # no grad, full precision (e.g. VAE tokens)
     def loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict]: ...
     def window_metrics(self) -> dict: ...
-    def write_samples(self, model: nn.Module, step: int, path: str | None) -> None: ...  # every rank calls
+    def write_samples(self, model: nn.Module, step: int, path: str | None) -> None: ...  # every rank; writes if path
     def export(self, weights: dict, path: str) -> None: ...  # rank 0 only
 
 
@@ -102,13 +102,15 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     steps_per_epoch = max(batches_per_epoch // accum, 1)
     total = cfg.steps or cfg.epochs * steps_per_epoch
 
-    optimizer = torch.optim.AdamW(
-        param_groups(task.model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
-    )
-    model, optimizer, scheduler = backend.prepare(task.model, optimizer, scheduler)
+    def make_optimizer(model):  # built by the backend after wrapping: FSDP replaces the parameters
+        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True)
+
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
+        )
+
+    model, optimizer, scheduler = backend.prepare(task.model, make_optimizer, make_scheduler)
 
     pos = Position()
     for candidate in resolve_resume(cfg.resume, run.checkpoints):
@@ -190,8 +192,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
 
         if cfg.sample_every and pos.step % cfg.sample_every == 0:
-            task.write_samples(backend.unwrap(model), pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png") if backend.is_main else None)
-            model.train()
+            _samples(task, model, backend, pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png"))
         stopping = False
         if pos.step % cfg.log_every == 0:  # checked with the logging sync, not every step
             flag = torch.tensor(float(stop["now"]), device=backend.device)
@@ -206,8 +207,16 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     if bar is not None:
         bar.close()
     signal.signal(signal.SIGTERM, old_handler)
-    task.write_samples(backend.unwrap(model), pos.step, os.path.join(run.samples, "final.png") if backend.is_main else None)
+    _samples(task, model, backend, pos.step, os.path.join(run.samples, "final.png"))
     return pos
+
+
+def _samples(task: Task, model, backend, step: int, path: str) -> None:
+    """Every rank generates (sharded parameters need every rank to gather); rank 0 writes."""
+    with backend.full_params(model) as module:
+        module.eval()
+        task.write_samples(module, step, path if backend.is_main else None)
+        module.train()
 
 
 def _export(task: Task, model, backend) -> None:

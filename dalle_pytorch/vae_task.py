@@ -46,15 +46,10 @@ class VAETask:
     @torch.no_grad()
     def write_samples(self, model, step, path):
         """Originals | hard reconstructions | soft reconstructions, one row each."""
-        if path is None:
-            return
-        vae = self.model
-        was_training = vae.training
-        vae.eval()
-        images = self._fixed.to(next(vae.parameters()).device)
-        grid = torch.cat([images, vae.reconstruct(images), vae.reconstruct_soft(images, self._last_tau)])
-        save_image(grid[:, :3].float().cpu(), path, nrow=len(images), padding=1)
-        vae.train(was_training)
+        images = self._fixed.to(next(model.parameters()).device)
+        grid = torch.cat([images, model.reconstruct(images), model.reconstruct_soft(images, self._last_tau)])
+        if path is not None:
+            save_image(grid[:, :3].float().cpu(), path, nrow=len(images), padding=1)
 
     def export(self, weights, path):
         save_export(path, "vae", self.model.cfg.to_dict(), weights)

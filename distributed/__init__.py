@@ -15,8 +15,20 @@ def make_backend(name: str, topo: Topology, **kw) -> Backend:
         from .single import SingleBackend as cls
     elif name == "ddp":
         from .torch_ddp import DDPBackend as cls
+    elif name == "fsdp":
+        from .torch_fsdp import FSDPBackend as cls
+    elif name == "deepspeed":
+        try:
+            from .deepspeed_backend import DeepSpeedBackend as cls
+        except ImportError as e:
+            raise ImportError(f"--distributed_backend deepspeed needs deepspeed ({e}): run `make install`") from None
+    elif name == "horovod":
+        try:
+            from .horovod_backend import HorovodBackend as cls
+        except ImportError as e:
+            raise ImportError(f"--distributed_backend horovod needs horovod ({e}): run `make install`") from None
     else:
-        raise ValueError(f"--distributed_backend {name} is not available in this version: use single or ddp")
+        raise ValueError(f"unknown --distributed_backend {name}")
     if name == "single" and topo.world_size > 1:
         raise ValueError(f"launched as {topo.world_size} processes but the backend is single-process")
     return cls(topo, **kw)

@@ -65,12 +65,20 @@ class Backend(ABC):
 
     # ---------------------------------------------------------------- training
     @abstractmethod
-    def prepare(self, model, optimizer, scheduler):
-        """Wrap model, optimizer and scheduler in one call; returns what to use from then on."""
+    def prepare(self, model, make_optimizer, make_scheduler):
+        """Wrap the model, then build the optimizer on the wrapped parameters and the scheduler on it
+        (FSDP and ZeRO replace parameters, so an optimizer built earlier would hold stale ones).
+        Returns (model, optimizer, scheduler) to use from then on."""
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module without wrappers."""
         return getattr(model, "module", model)
+
+    @contextlib.contextmanager
+    def full_params(self, model):
+        """Collective context: the unwrapped module with every parameter whole (gathered where sharded),
+        for sampling during training. Every rank enters it; non-sharding backends just unwrap."""
+        yield self.unwrap(model)
 
     def autocast(self):
         """Mixed-precision context for the forward pass; the frozen VAE runs outside it, in fp32."""

@@ -28,13 +28,18 @@ class SingleBackend(Backend):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def prepare(self, model, optimizer, scheduler):
+    def prepare(self, model, make_optimizer, make_scheduler):
         model = self.wrap_model(model.to(self.device))
+        optimizer = self.wrap_optimizer(make_optimizer(model), model)
+        scheduler = make_scheduler(optimizer)
         # fp16 needs loss scaling: gradients of small losses underflow in half precision. GradScaler
         # raises the scale until an overflow, then skips that step and halves it (dynamic loss scaling).
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         return model, optimizer, scheduler
+
+    def wrap_optimizer(self, optimizer, model):
+        return optimizer
 
     def accumulate(self, model, sync: bool):
         return contextlib.nullcontext()
@@ -44,6 +49,10 @@ class SingleBackend(Backend):
 
     def synchronize_gradients(self) -> None:
         """Make every rank's gradients the global average before clipping (DDP already did in backward)."""
+
+    def after_synchronize(self):
+        """Context around the optimizer step once gradients are synchronized (Horovod must not redo it)."""
+        return contextlib.nullcontext()
 
     def clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -55,7 +64,8 @@ class SingleBackend(Backend):
         self.scaler.unscale_(self.optimizer)
         norm = self.clip_gradients()
         scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)  # skips the step when the unscaled gradients hold inf/nan
+        with self.after_synchronize():
+            self.scaler.step(self.optimizer)  # skips the step when the unscaled gradients hold inf/nan
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
