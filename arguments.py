@@ -44,6 +44,17 @@ class TrainConfig:
     # distribution
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)
     threads: int = flag(0, "torch CPU threads per process; 0 splits the cores among local ranks")
+    # DeepSpeed
+    zero_stage: str = flag("auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3"))
+    offload_optimizer: bool = flag(False, "DeepSpeed: keep optimizer states in CPU memory")
+    offload_params: bool = flag(False, "DeepSpeed ZeRO-3: keep parameters in CPU memory")
+    deepspeed_config: str = flag("", "a DeepSpeed JSON config; our flags fill only what it leaves out")
+    initial_scale_power: int = flag(16, "fp16 dynamic loss scale starts at 2**N")
+    loss_scale_window: int = flag(1000, "fp16: steps without overflow before the loss scale grows")
+    hysteresis: int = flag(2, "fp16 (DeepSpeed): overflows tolerated before the loss scale drops")
+    min_loss_scale: float = flag(1.0, "fp16: the loss scale never drops below this")
+    # Horovod
+    horovod_compression: str = flag("none", "Horovod gradient compression for the allreduce", choices=("none", "fp16"))
     # outputs
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")

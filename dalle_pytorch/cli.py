@@ -45,6 +45,7 @@ def distributed_run(cfg: TrainConfig, default_name: str, configs: dict):
         precision=cfg.precision,
         accumulation_steps=cfg.accumulation_steps(topo.world_size),
         clip_grad_norm=cfg.clip_grad_norm,
+        options=cfg,
     )
     backend.setup()
     backend.set_threads(cfg.threads)

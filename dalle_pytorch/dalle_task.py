@@ -48,6 +48,13 @@ class DALLETask:
         self.sample_captions = sample_captions
         self.seed = seed
 
+    def activation_bytes(self, batch_size: int) -> float:
+        """Activation memory of one micro-batch: ~34 x tokens x dim bytes per layer in 16-bit (Korthikanti
+        et al. 2022, without recomputation), doubled for fp32, plus the attention scores."""
+        c = self.model.cfg
+        tokens = batch_size * c.seq_len
+        return c.depth * (68 * tokens * c.dim + 4 * batch_size * c.heads * c.seq_len**2)
+
     def prepare_batch(self, batch, device):
         images, text = batch
         images = images.to(device, non_blocking=True)

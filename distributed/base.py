@@ -18,8 +18,10 @@ from arguments import Topology
 class Backend(ABC):
     name: str = "base"
 
-    def __init__(self, topo: Topology, precision: str = "fp32", accumulation_steps: int = 1, clip_grad_norm: float = 0.0):
+    def __init__(self, topo: Topology, precision: str = "fp32", accumulation_steps: int = 1, clip_grad_norm: float = 0.0,
+                 options=None):
         self.topo = topo
+        self.options = options  # the run's TrainConfig: backend-specific flags (zero_stage, compression, ...)
         self.precision = precision
         self.accumulation_steps = accumulation_steps
         self.clip_grad_norm = clip_grad_norm
@@ -65,7 +67,7 @@ class Backend(ABC):
 
     # ---------------------------------------------------------------- training
     @abstractmethod
-    def prepare(self, model, make_optimizer, make_scheduler):
+    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
         """Wrap the model, then build the optimizer on the wrapped parameters and the scheduler on it
         (FSDP and ZeRO replace parameters, so an optimizer built earlier would hold stale ones).
         Returns (model, optimizer, scheduler) to use from then on."""

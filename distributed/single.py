@@ -28,7 +28,7 @@ class SingleBackend(Backend):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def prepare(self, model, make_optimizer, make_scheduler):
+    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
         model = self.wrap_model(model.to(self.device))
         optimizer = self.wrap_optimizer(make_optimizer(model), model)
         scheduler = make_scheduler(optimizer)
@@ -50,6 +50,9 @@ class SingleBackend(Backend):
     def synchronize_gradients(self) -> None:
         """Make every rank's gradients the global average before clipping (DDP already did in backward)."""
 
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
     def after_synchronize(self):
         """Context around the optimizer step once gradients are synchronized (Horovod must not redo it)."""
         return contextlib.nullcontext()
@@ -67,7 +70,7 @@ class SingleBackend(Backend):
         with self.after_synchronize():
             self.scaler.step(self.optimizer)  # skips the step when the unscaled gradients hold inf/nan
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         self.scheduler.step()
         if scale_before is None:
             skipped = torch.zeros((), dtype=torch.bool)

@@ -99,6 +99,14 @@ if ! have horovod==$HOROVOD_VERSION; then
   "$PIP" install -q cloudpickle psutil pyyaml packaging cffi
 fi
 
+CURRENT_STEP="build DeepSpeed's CPU ops (a minute or two the first time)"
+HINT="delete ~/.cache/torch_extensions and rerun make install"
+if [ ! -f "$VENV/.ops-warm" ]; then
+  step "$CURRENT_STEP"
+  "$VPY" scripts/warm_ops.py
+  touch "$VENV/.ops-warm"
+fi
+
 CURRENT_STEP="check the install"; HINT="rm -rf $VENV and rerun make install; if horovod fails, delete $CACHE/wheels too"
 "$VPY" - <<'PYEOF'
 import torch, torchvision, deepspeed, youtokentome, webdataset, einops  # noqa: F401
