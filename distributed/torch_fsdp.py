@@ -62,23 +62,28 @@ class FSDPBackend(DDPBackend):
 
     def save_checkpoint(self, directory: str, state: dict) -> None:
         opts = StateDictOptions()
-        dcp.save(
-            {"model": get_model_state_dict(self.model, options=opts),
-             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts)},
-            checkpoint_id=f"{directory}/dcp",
-        )
+        to_save = {"model": get_model_state_dict(self.model, options=opts)}
+        # before the first step the optimizer has no state, and get_optimizer_state_dict would create it
+        # by running optimizer.step() on zero gradients, which moves the weights (weight decay, Adam's step)
+        has_optimizer_state = len(self.optimizer.state) > 0
+        if has_optimizer_state:
+            to_save["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        dcp.save(to_save, checkpoint_id=f"{directory}/dcp")
         if self.is_main:
-            save_shared_file(directory, {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "state": state})
+            save_shared_file(directory, {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                                         "state": state, "has_optimizer_state": has_optimizer_state})
         save_rank_file(directory, self.rank)
 
     def load_checkpoint(self, directory: str) -> dict:
         opts = StateDictOptions()
-        sd = {"model": get_model_state_dict(self.model, options=opts),
-              "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
-        dcp.load(sd, checkpoint_id=f"{directory}/dcp")
-        set_model_state_dict(self.model, sd["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"], options=opts)
         shared = load_shared_file(directory)
+        sd = {"model": get_model_state_dict(self.model, options=opts)}
+        if shared["has_optimizer_state"]:
+            sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        dcp.load(sd, checkpoint_id=f"{directory}/dcp")
+        set_model_state_dict(self.model, sd["model"], options=opts)  # after the optimizer's initializing step
+        if shared["has_optimizer_state"]:
+            set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"], options=opts)
         self.scheduler.load_state_dict(shared["scheduler"])
         self.scaler.load_state_dict(shared["scaler"])
         load_rank_file(directory, self.rank)
