@@ -30,11 +30,14 @@ class TrainConfig:
     steps: int = flag(0, "optimizer steps to train; 0 means derive from --epochs")
     batch_size: int = flag(32, "micro-batch size per process")
     global_batch_size: int = flag(
-        0, "samples per optimizer step over all processes; gradient accumulation makes up the difference (0: no accumulation)"
+        0,
+        "samples per optimizer step over all processes; accumulation makes up the difference (0: none)",
     )
     # optimisation
     learning_rate: float = flag(1e-3, "peak learning rate (never rescaled by world size)")
-    lr_decay: str = flag("cosine", "learning-rate decay after warmup", choices=("cosine", "exponential", "linear", "constant"))
+    lr_decay: str = flag(
+        "cosine", "learning-rate decay after warmup", choices=("cosine", "exponential", "linear", "constant")
+    )
     lr_min_factor: float = flag(0.1, "final learning rate as a fraction of --learning_rate")
     warmup_steps: int = flag(0, "linear learning-rate warmup steps")
     weight_decay: float = flag(0.0, "AdamW weight decay (never applied to norms, biases and embeddings)")
@@ -45,7 +48,9 @@ class TrainConfig:
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)
     threads: int = flag(0, "torch CPU threads per process; 0 splits the cores among local ranks")
     # DeepSpeed
-    zero_stage: str = flag("auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3"))
+    zero_stage: str = flag(
+        "auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3")
+    )
     offload_optimizer: bool = flag(False, "DeepSpeed: keep optimizer states in CPU memory")
     offload_params: bool = flag(False, "DeepSpeed ZeRO-3: keep parameters in CPU memory")
     deepspeed_config: str = flag("", "a DeepSpeed JSON config; our flags fill only what it leaves out")

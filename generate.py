@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cond_scale", type=float, default=1.0, help="classifier-free guidance scale (1: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same images")
     p.add_argument("--img", default="", help="prime with the top rows of this image")
-    p.add_argument("--num_init_img_tokens", type=int, default=0, help="image tokens taken from --img (default: a quarter)")
+    p.add_argument(
+        "--num_init_img_tokens", type=int, default=0, help="image tokens taken from --img (default: a quarter)"
+    )
     p.add_argument("--outputs_dir", default="outputs", help="where the prompt folders go")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole prefix every token (slow; for checks)")
@@ -53,7 +55,7 @@ def read_prompts(args) -> list[str]:
         with open(args.text_file, encoding="utf-8") as f:
             prompts += [line.strip() for line in f if line.strip()]
     if not prompts:
-        raise ValueError("give a prompt with --text \"a red circle\" or --text_file FILE")
+        raise ValueError('give a prompt with --text "a red circle" or --text_file FILE')
     return prompts
 
 
@@ -104,9 +106,16 @@ def _generate(args):
         for start in range(0, args.num_images, args.batch_size):
             b = min(args.batch_size, args.num_images - start)
             tokens = generate_image_tokens(
-                dalle, text.to(device).expand(b, -1), temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, cond_scale=args.cond_scale, generator=g, use_cache=not args.no_cache,
-                prime=None if prime is None else prime.expand(b, -1), on_token=lambda b=b: bar.update(b),
+                dalle,
+                text.to(device).expand(b, -1),
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                cond_scale=args.cond_scale,
+                generator=g,
+                use_cache=not args.no_cache,
+                prime=None if prime is None else prime.expand(b, -1),
+                on_token=lambda b=b: bar.update(b),
             )
             images.append(vae.decode(tokens).cpu())
         images = torch.cat(images)[:, :3]

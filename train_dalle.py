@@ -10,8 +10,11 @@ export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs no
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
+
+import torch
 
 from arguments import TrainConfig, build_parser, take
 from dalle_pytorch.cli import distributed_run, user_errors
@@ -29,7 +32,12 @@ DEFAULT_SAMPLE_CAPTIONS = [
 @dataclass
 class DALLERunConfig:
     vae_path: str = flag("", "VAE export written by train_vae.py (required)")
-    image_text_folder: str = flag("", "folder of x.jpg + x.txt pairs; empty: the built-in synthetic dataset")
+    image_text_folder: str = flag(
+        "", "folder of x.jpg + x.txt pairs, or WebDataset shard URLs with --wds; empty: the built-in synthetic dataset"
+    )
+    wds: str = flag(
+        "", "image and caption keys of WebDataset shards, e.g. jpg,txt: --image_text_folder holds the shard URLs"
+    )
     resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
     tokenizer: str = flag("yttm", "text tokenizer when no --bpe_path is given", choices=("yttm", "byte"))
     bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
@@ -40,7 +48,9 @@ class DALLERunConfig:
 
 
 def main(argv=None):
-    parser = build_parser(__doc__, (DALLEConfig, "model"), (DALLERunConfig, "DALLE training"), (TrainConfig, "training"))
+    parser = build_parser(
+        __doc__, (DALLEConfig, "model"), (DALLERunConfig, "DALLE training"), (TrainConfig, "training")
+    )
     parser.set_defaults(learning_rate=1e-3, batch_size=32, warmup_steps=50, name="dalle", weight_decay=0.01)
     ns = parser.parse_args(argv)
     with user_errors(ns.debug):
@@ -48,7 +58,11 @@ def main(argv=None):
 
 
 def _captions_for_bpe(dataset, limit: int = 20000) -> list[str]:
-    return [dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))]
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return [caption for _, caption in itertools.islice(iter(dataset), limit)]
+    return [
+        dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))
+    ]
 
 
 def _tokenizer(run_cfg: DALLERunConfig, dataset, run, backend):
@@ -77,11 +91,27 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
         raise ValueError("--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt")
     vae, vae_export = load_vae(run_cfg.vae_path)
     with distributed_run(cfg, "dalle", {"model": model_cfg, "dalle": run_cfg, "train": cfg}) as (backend, run):
-        if run_cfg.image_text_folder:
+        if run_cfg.wds:
+            if not run_cfg.image_text_folder:
+                raise ValueError("--wds needs the shard URLs in --image_text_folder, e.g. 'shards/{000..099}.tar'")
+            from dalle_pytorch.wds import WebDatasetPairs
+
+            dataset = WebDatasetPairs(
+                run_cfg.image_text_folder,
+                run_cfg.wds,
+                vae.image_size,
+                vae.channels,
+                run_cfg.resize_ratio,
+                backend.rank,
+                backend.world_size,
+                cfg.seed,
+            )
+        elif run_cfg.image_text_folder:
             dataset = CaptionFolder(run_cfg.image_text_folder, vae.image_size, vae.channels, run_cfg.resize_ratio)
         else:
             dataset = ShapesDataset(cfg.dataset_size, vae.image_size, seed=cfg.seed)
-        run.print(f"data: {len(dataset)} pairs from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
+        size = f"{len(dataset.shards)} shards" if run_cfg.wds else f"{len(dataset)} pairs"
+        run.print(f"data: {size} from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
         tokenizer = _tokenizer(run_cfg, dataset, run, backend)
         model_cfg.num_text_tokens = tokenizer.vocab_size
         model_cfg.num_image_tokens = vae.num_tokens
@@ -89,8 +119,16 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
         dalle = DALLE(model_cfg)
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, VAE {run_cfg.vae_path}")
-        task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, run_cfg.dalle_output or os.path.join(run.path, "dalle.pt"),
-                         run_cfg.sample_captions, cfg.seed)
+        task = DALLETask(
+            dalle,
+            vae,
+            vae_export,
+            tokenizer,
+            dataset,
+            run_cfg.dalle_output or os.path.join(run.path, "dalle.pt"),
+            run_cfg.sample_captions,
+            cfg.seed,
+        )
         pos = train(task, cfg, backend, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:

@@ -57,10 +57,16 @@ def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
         run.print(f"data: {len(dataset)} images from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
         vae = DiscreteVAE(model_cfg)
         anneal = run_cfg.anneal_steps or cfg.steps or 0
-        task = VAETask(vae, dataset, run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
-                       (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule))
+        task = VAETask(
+            vae,
+            dataset,
+            run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
+            (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
+        )
         if not anneal:  # derive from the run length once it is known: anneal over the whole run
-            per_epoch = len(dataset) // (cfg.batch_size * backend.world_size * cfg.accumulation_steps(backend.world_size))
+            per_epoch = len(dataset) // (
+                cfg.batch_size * backend.world_size * cfg.accumulation_steps(backend.world_size)
+            )
             task.anneal_steps = max(cfg.epochs * per_epoch, 1)
         pos = train(task, cfg, backend, run)
         skipped = getattr(dataset, "num_skipped", 0)

@@ -51,7 +51,9 @@ def atomic_save(obj, path: str) -> None:
 
 def save_export(path: str, kind: str, config: dict, weights: dict, **extra) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_save({"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}, path)
+    atomic_save(
+        {"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}, path
+    )
 
 
 def load_export(path: str, kind: str) -> dict:
@@ -64,7 +66,10 @@ def load_export(path: str, kind: str) -> dict:
     if obj["kind"] != kind:
         raise ValueError(f"{path} is a {obj['kind']} export, expected a {kind} export")
     if obj["format_version"] > EXPORT_FORMAT_VERSION:
-        raise ValueError(f"{path} has export format {obj['format_version']}; this code reads up to {EXPORT_FORMAT_VERSION}: update the code")
+        raise ValueError(
+            f"{path} has export format {obj['format_version']}; this code reads up to "
+            f"{EXPORT_FORMAT_VERSION}: update the code"
+        )
     return obj
 
 

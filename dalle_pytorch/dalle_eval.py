@@ -52,5 +52,10 @@ def evaluate_dalle(dalle_path: str, num_images: int, out: str, seed: int = 0, ba
         grid = torch.cat(grid)[:64]
         save_image(grid, os.path.join(out, f"generated_{split}.png"), nrow=8, padding=1)
         with open(os.path.join(out, f"generated_{split}.txt"), "w") as f:
-            f.write("\n".join(f"{i:3d} {'ok ' if s['full'] else 'BAD'} {c}" for i, (c, s) in enumerate(zip(captions[:64], scores))) + "\n")
+            f.write(
+                "\n".join(
+                    f"{i:3d} {'ok ' if s['full'] else 'BAD'} {c}" for i, (c, s) in enumerate(zip(captions[:64], scores))
+                )
+                + "\n"
+            )
     return result

@@ -34,16 +34,43 @@ class TokenizedCaptions(torch.utils.data.Dataset):
         return image, ids[0]
 
 
+class TokenizedStream(torch.utils.data.IterableDataset):
+    """The streamed (WebDataset) counterpart of TokenizedCaptions."""
+
+    def __init__(self, base, tokenizer: Tokenizer, text_seq_len: int, truncate: bool):
+        self.base = base
+        self.tok = TokenizedCaptions([], tokenizer, text_seq_len, truncate)
+        self.truncated = self.tok.truncated
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self):
+        for image, caption in self.base:
+            self.tok.base = [(image, caption)]
+            yield self.tok[0]
+
+
 class DALLETask:
     name = "dalle"
 
-    def __init__(self, dalle: DALLE, vae, vae_export: dict, tokenizer: Tokenizer, dataset, export_path: str,
-                 sample_captions: list[str], seed: int = 0):
+    def __init__(
+        self,
+        dalle: DALLE,
+        vae,
+        vae_export: dict,
+        tokenizer: Tokenizer,
+        dataset,
+        export_path: str,
+        sample_captions: list[str],
+        seed: int = 0,
+    ):
         self.model = dalle
         self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
         self.vae_export = vae_export
         self.tokenizer = tokenizer
-        self.dataset = TokenizedCaptions(dataset, tokenizer, dalle.cfg.text_seq_len, truncate=True)
+        wrap = TokenizedStream if isinstance(dataset, torch.utils.data.IterableDataset) else TokenizedCaptions
+        self.dataset = wrap(dataset, tokenizer, dalle.cfg.text_seq_len, truncate=True)
         self.export_path = export_path
         self.sample_captions = sample_captions
         self.seed = seed
@@ -86,7 +113,9 @@ class DALLETask:
             f.write("\n".join(self.sample_captions) + "\n")
 
     def export(self, weights, path):
-        save_export(path, "dalle", self.model.cfg.to_dict(), weights, vae=self.vae_export, tokenizer=self.tokenizer.to_dict())
+        save_export(
+            path, "dalle", self.model.cfg.to_dict(), weights, vae=self.vae_export, tokenizer=self.tokenizer.to_dict()
+        )
 
 
 def load_dalle(path: str, device="cpu"):

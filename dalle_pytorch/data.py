@@ -23,7 +23,10 @@ def find_images(root: str) -> list[str]:
     if not os.path.isdir(root):
         raise FileNotFoundError(f"image folder {root} does not exist")
     found = sorted(
-        os.path.join(d, f) for d, _, files in os.walk(root, followlinks=True) for f in files if f.lower().endswith(IMAGE_EXTENSIONS)
+        os.path.join(d, f)
+        for d, _, files in os.walk(root, followlinks=True)
+        for f in files
+        if f.lower().endswith(IMAGE_EXTENSIONS)
     )
     if not found:
         raise FileNotFoundError(f"no images under {root}: expected files ending in {', '.join(IMAGE_EXTENSIONS)}")

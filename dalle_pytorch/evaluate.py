@@ -82,7 +82,8 @@ def table(results: dict) -> str:
         for split in ("seen", "heldout"):
             s = d[split]
             cells = " ".join(
-                f"{s[k]['mean']:>6.1%} [{s[k]['ci95'][0]:.0%},{s[k]['ci95'][1]:.0%}]".rjust(15) for k in ("full", *ATTRIBUTES)
+                f"{s[k]['mean']:>6.1%} [{s[k]['ci95'][0]:.0%},{s[k]['ci95'][1]:.0%}]".rjust(15)
+                for k in ("full", *ATTRIBUTES)
             )
             lines.append(f"{split:8} {s['n']:>5} {cells}")
     return "\n".join(lines)
@@ -109,8 +110,13 @@ def main(argv=None):
         from .dalle_eval import evaluate_dalle
 
         results["dalle"] = evaluate_dalle(
-            args.dalle_path, args.num_images, args.out, args.seed,
-            cond_scale=args.cond_scale, temperature=args.temperature, top_k=args.top_k,
+            args.dalle_path,
+            args.num_images,
+            args.out,
+            args.seed,
+            cond_scale=args.cond_scale,
+            temperature=args.temperature,
+            top_k=args.top_k,
         )
     if not results:
         p.error("give --vae_path and/or --dalle_path")
@@ -122,7 +128,6 @@ def main(argv=None):
     print(text)
     print(f"results: {os.path.join(args.out, 'results.json')}")
     return results
-
 
 
 if __name__ == "__main__":

@@ -84,7 +84,14 @@ class Position:
 def train(task: Task, cfg, backend, run: RunDir) -> Position:
     """Train `task` with `backend` as `cfg` says; returns where training stopped."""
     accum = cfg.accumulation_steps(backend.world_size)
-    sampler = ShardedSampler(len(task.dataset), backend.rank, backend.world_size, cfg.seed, cfg.batch_size)
+    streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)  # shards split per rank by the dataset
+    if streamed and not cfg.steps:
+        raise ValueError("streamed WebDataset shards have no known length: set --steps")
+    sampler = (
+        None
+        if streamed
+        else ShardedSampler(len(task.dataset), backend.rank, backend.world_size, cfg.seed, cfg.batch_size)
+    )
     loader = torch.utils.data.DataLoader(
         task.dataset,
         batch_size=cfg.batch_size,
@@ -98,12 +105,12 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
         generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
-    batches_per_epoch = sampler.per_rank // cfg.batch_size
-    steps_per_epoch = max(batches_per_epoch // accum, 1)
-    total = cfg.steps or cfg.epochs * steps_per_epoch
+    total = cfg.steps or cfg.epochs * max(sampler.per_rank // cfg.batch_size // accum, 1)
 
     def make_optimizer(model):  # built by the backend after wrapping: FSDP replaces the parameters
-        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True)
+        return torch.optim.AdamW(
+            param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True
+        )
 
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(
@@ -137,10 +144,19 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
 
     def batches():
         while True:
-            sampler.set_position(pos.epoch, pos.batch_in_epoch * cfg.batch_size)
-            for batch in loader:
+            skip = 0
+            if sampler is not None:  # resumes exactly at the next unseen sample
+                sampler.set_position(pos.epoch, pos.batch_in_epoch * cfg.batch_size)
+            else:  # a stream is replayed to the resume position (same shard order and shuffle seeds)
+                task.dataset.set_epoch(pos.epoch)
+                skip = pos.batch_in_epoch
+            for i, batch in enumerate(loader):
+                if i < skip:
+                    continue
                 pos.batch_in_epoch += 1
                 yield batch
+            if pos.batch_in_epoch == 0:
+                raise ValueError("the data yielded no batch: check the dataset and --batch_size")
             pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
 
     data = batches()
@@ -189,7 +205,9 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             elif not cfg.quiet:
                 run.print(f"step {pos.step}/{total} " + " ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
             if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
-                raise FloatingPointError(f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm")
+                raise FloatingPointError(
+                    f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
+                )
             sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
 
         if cfg.sample_every and pos.step % cfg.sample_every == 0:

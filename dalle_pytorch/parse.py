@@ -92,7 +92,7 @@ def _to_array(image) -> np.ndarray:
     if isinstance(image, Image.Image):
         return np.asarray(image.convert("RGB"))
     if hasattr(image, "detach"):  # a CHW tensor in [0, 1]
-        return (image.detach().float().clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).cpu().numpy())
+        return image.detach().float().clamp(0, 1).mul(255).round().byte().permute(1, 2, 0).cpu().numpy()
     return np.asarray(image)
 
 

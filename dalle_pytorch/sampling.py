@@ -57,7 +57,11 @@ def generate_image_tokens(
         image = torch.cat([image, image])
     k0 = image.shape[1]
     cache = model.new_cache(rows.shape[0], text.device, next(model.parameters()).dtype) if use_cache else None
-    logits = model.prefill(rows, cache, image if k0 else None) if use_cache else model.next_image_logits_uncached(rows, image)
+    logits = (
+        model.prefill(rows, cache, image if k0 else None)
+        if use_cache
+        else model.next_image_logits_uncached(rows, image)
+    )
     for k in range(k0, cfg.image_seq_len):
         if guided:
             cond, uncond = logits.chunk(2)
@@ -68,5 +72,9 @@ def generate_image_tokens(
         if on_token is not None:
             on_token()
         if k + 1 < cfg.image_seq_len:
-            logits = model.decode_one_token(rows, image, cache) if use_cache else model.next_image_logits_uncached(rows, image)
+            logits = (
+                model.decode_one_token(rows, image, cache)
+                if use_cache
+                else model.next_image_logits_uncached(rows, image)
+            )
     return image[:b]

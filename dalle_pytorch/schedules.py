@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, decay: str = "cosine", min_factor: float = 0.1) -> float:
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int = 0, decay: str = "cosine", min_factor: float = 0.1
+) -> float:
     """Multiplier of the base learning rate: linear warmup from 0, then `decay` from 1 to `min_factor`.
 
     decay: "cosine" (half cosine), "exponential" (geometric interpolation), "linear", or "constant".

@@ -185,6 +185,10 @@ class ShapesDataset(torch.utils.data.Dataset):
 
 def pil_to_tensor(img: Image.Image) -> torch.Tensor:
     """(3, h, w) float in [0, 1]."""
-    return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(img.height, img.width, 3).permute(
-        2, 0, 1
-    ).float().div(255)
+    return (
+        torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+        .view(img.height, img.width, 3)
+        .permute(2, 0, 1)
+        .float()
+        .div(255)
+    )

@@ -53,7 +53,9 @@ class Tokenizer(ABC):
                 ids, truncated = ids[:context_length], truncated + 1
             out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         if out.numel() and (out.min() < 0 or out.max() >= self.vocab_size):
-            raise ValueError(f"tokenizer produced ids outside [0, {self.vocab_size}): the tokenizer file is inconsistent")
+            raise ValueError(
+                f"tokenizer produced ids outside [0, {self.vocab_size}): the tokenizer file is inconsistent"
+            )
         return out, truncated
 
 

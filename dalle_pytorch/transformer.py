@@ -101,7 +101,9 @@ def shift_tokens(x: torch.Tensor, text_len: int, fmap: int, start: int = 0) -> t
 class KVCache:
     """Static per-layer key/value buffers (b, h, n_max, d), and the input history token shift needs."""
 
-    def __init__(self, batch: int, n_max: int, depth: int, heads: int, dim_head: int, dim: int, device, dtype, shift: bool):
+    def __init__(
+        self, batch: int, n_max: int, depth: int, heads: int, dim_head: int, dim: int, device, dtype, shift: bool
+    ):
         shape = (batch, heads, n_max, dim_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(depth)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(depth)]
@@ -134,7 +136,9 @@ class Attention(nn.Module):
         if is_full and start == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)  # fused/flash path
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[start : start + m, : start + m], dropout_p=drop)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[start : start + m, : start + m], dropout_p=drop
+            )
         return self.to_out(out.transpose(1, 2).reshape(b, m, -1))
 
 
@@ -194,7 +198,9 @@ class Transformer(nn.Module):
         types = [cfg.attn_types[i % len(cfg.attn_types)] for i in range(cfg.depth)]
         self.layers = nn.ModuleList(Block(cfg, t, i) for i, t in enumerate(types))
         for t in set(types):
-            self.register_buffer(f"mask_{t}", attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size), persistent=False)
+            self.register_buffer(
+                f"mask_{t}", attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size), persistent=False
+            )
         angles = rotary_angles(cfg.text_seq_len, cfg.image_fmap_size, cfg.dim_head) if cfg.rotary_emb else None
         self.register_buffer("angles", angles, persistent=False)
 

@@ -15,8 +15,15 @@ from .vae import DiscreteVAE, VAEConfig, codebook_stats
 class VAETask:
     name = "vae"
 
-    def __init__(self, vae: DiscreteVAE, dataset, export_path: str, temperature: tuple[float, float, int, str],
-                 usage_window: int = 20, num_sample_images: int = 8):
+    def __init__(
+        self,
+        vae: DiscreteVAE,
+        dataset,
+        export_path: str,
+        temperature: tuple[float, float, int, str],
+        usage_window: int = 20,
+        num_sample_images: int = 8,
+    ):
         self.model = vae
         self.dataset = dataset
         self.export_path = export_path

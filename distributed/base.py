@@ -18,8 +18,14 @@ from arguments import Topology
 class Backend(ABC):
     name: str = "base"
 
-    def __init__(self, topo: Topology, precision: str = "fp32", accumulation_steps: int = 1, clip_grad_norm: float = 0.0,
-                 options=None):
+    def __init__(
+        self,
+        topo: Topology,
+        precision: str = "fp32",
+        accumulation_steps: int = 1,
+        clip_grad_norm: float = 0.0,
+        options=None,
+    ):
         self.topo = topo
         self.options = options  # the run's TrainConfig: backend-specific flags (zero_stage, compression, ...)
         self.precision = precision

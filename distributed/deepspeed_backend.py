@@ -50,19 +50,28 @@ class DeepSpeedBackend(DDPBackend):
         stage = opts.zero_stage
         if stage == "auto":
             n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            stage, estimates = choose_zero_stage(n, activation_bytes, free_device_bytes(self.topo.local_world_size),
-                                                 self.world_size, self.precision)
+            stage, estimates = choose_zero_stage(
+                n, activation_bytes, free_device_bytes(self.topo.local_world_size), self.world_size, self.precision
+            )
             if self.is_main:
                 table = ", ".join(f"ZeRO-{s} {b / 2**20:.1f} MiB" for s, b in estimates)
                 print(f"--zero_stage auto: chose ZeRO-{stage} (per-device estimates: {table})", flush=True)
         self.zero_stage = int(stage)
         config, conflicts = build_config(
-            micro_batch=opts.batch_size, accumulation_steps=self.accumulation_steps, world_size=self.world_size,
-            clip_grad_norm=self.clip_grad_norm, precision=self.precision, zero_stage=self.zero_stage,
-            offload_optimizer=opts.offload_optimizer, offload_params=opts.offload_params,
-            initial_scale_power=opts.initial_scale_power, loss_scale_window=opts.loss_scale_window,
-            hysteresis=opts.hysteresis, min_loss_scale=opts.min_loss_scale,
-            on_gpu=self.device.type == "cuda", user_config=read_user_config(opts.deepspeed_config),
+            micro_batch=opts.batch_size,
+            accumulation_steps=self.accumulation_steps,
+            world_size=self.world_size,
+            clip_grad_norm=self.clip_grad_norm,
+            precision=self.precision,
+            zero_stage=self.zero_stage,
+            offload_optimizer=opts.offload_optimizer,
+            offload_params=opts.offload_params,
+            initial_scale_power=opts.initial_scale_power,
+            loss_scale_window=opts.loss_scale_window,
+            hysteresis=opts.hysteresis,
+            min_loss_scale=opts.min_loss_scale,
+            on_gpu=self.device.type == "cuda",
+            user_config=read_user_config(opts.deepspeed_config),
         )
         if self.is_main:
             for line in conflicts:

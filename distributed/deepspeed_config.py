@@ -32,8 +32,9 @@ def zero_memory_bytes(num_params: int, stage: int, world_size: int, precision: s
     return per * num_params
 
 
-def choose_zero_stage(num_params: int, activation_bytes: float, free_bytes: float, world_size: int, precision: str,
-                      margin: float = 0.2) -> tuple[int, list[tuple[int, float]]]:
+def choose_zero_stage(
+    num_params: int, activation_bytes: float, free_bytes: float, world_size: int, precision: str, margin: float = 0.2
+) -> tuple[int, list[tuple[int, float]]]:
     """The lowest stage whose estimate fits in (1 - margin) x free_bytes, and every stage's estimate.
 
     Lower stages communicate less, so the lowest one that fits is the fastest. Raises when none fits.
@@ -49,17 +50,32 @@ def choose_zero_stage(num_params: int, activation_bytes: float, free_bytes: floa
     )
 
 
-def build_config(*, micro_batch: int, accumulation_steps: int, world_size: int, clip_grad_norm: float, precision: str,
-                 zero_stage: int, offload_optimizer: bool = False, offload_params: bool = False,
-                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
-                 min_loss_scale: float = 1.0, on_gpu: bool = True, user_config: dict | None = None) -> tuple[dict, list[str]]:
+def build_config(
+    *,
+    micro_batch: int,
+    accumulation_steps: int,
+    world_size: int,
+    clip_grad_norm: float,
+    precision: str,
+    zero_stage: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    initial_scale_power: int = 16,
+    loss_scale_window: int = 1000,
+    hysteresis: int = 2,
+    min_loss_scale: float = 1.0,
+    on_gpu: bool = True,
+    user_config: dict | None = None,
+) -> tuple[dict, list[str]]:
     """The DeepSpeed config for our flags, merged under the user's `--deepspeed_config` JSON.
 
     The user's values win; our flags fill only what the user left out. Returns (config, conflicts),
     one line per key where the user's JSON disagrees with a flag.
     """
     if precision == "fp16" and not on_gpu:
-        raise ValueError("DeepSpeed fp16 needs a GPU (its loss scaler is GPU-only): use --precision bf16 or fp32 on CPU")
+        raise ValueError(
+            "DeepSpeed fp16 needs a GPU (its loss scaler is GPU-only): use --precision bf16 or fp32 on CPU"
+        )
     ours: dict = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation_steps,

@@ -21,7 +21,9 @@ class HorovodBackend(SingleBackend):
         if not hvd.is_initialized():
             hvd.init()
         if hvd.size() != self.world_size or hvd.rank() != self.rank:
-            raise RuntimeError(f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}")
+            raise RuntimeError(
+                f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}"
+            )
         self.device = self._pick_device()
 
     def teardown(self) -> None:
@@ -32,7 +34,11 @@ class HorovodBackend(SingleBackend):
         # every rank starts from rank 0's weights and optimizer state
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        compression = hvd.Compression.fp16 if getattr(self.options, "horovod_compression", "none") == "fp16" else hvd.Compression.none
+        compression = (
+            hvd.Compression.fp16
+            if getattr(self.options, "horovod_compression", "none") == "fp16"
+            else hvd.Compression.none
+        )
         return hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
@@ -74,5 +80,3 @@ class HorovodBackend(SingleBackend):
         state = super().load_checkpoint(directory)
         self.barrier()
         return state
-
-

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 

@@ -70,8 +70,15 @@ class FSDPBackend(DDPBackend):
             to_save["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         dcp.save(to_save, checkpoint_id=f"{directory}/dcp")
         if self.is_main:
-            save_shared_file(directory, {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                                         "state": state, "has_optimizer_state": has_optimizer_state})
+            save_shared_file(
+                directory,
+                {
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "state": state,
+                    "has_optimizer_state": has_optimizer_state,
+                },
+            )
         save_rank_file(directory, self.rank)
 
     def load_checkpoint(self, directory: str) -> dict:

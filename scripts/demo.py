@@ -18,7 +18,9 @@ import train_dalle  # noqa: E402
 import train_vae  # noqa: E402
 from dalle_pytorch import evaluate  # noqa: E402
 
-CAPTIONS = "a large red circle on the left|a small blue triangle above a large yellow square|a big green square in the center"
+CAPTIONS = (
+    "a large red circle on the left|a small blue triangle above a large yellow square|a big green square in the center"
+)
 
 
 def main(argv=None):
@@ -33,18 +35,57 @@ def main(argv=None):
     vae_path = train_vae.main(["--steps", str(args.vae_steps), "--save_every_n_steps", "0", *common])
     t1 = time.time()
     dalle_path = train_dalle.main(
-        ["--vae_path", vae_path, "--steps", str(args.dalle_steps), "--text_seq_len", "16", "--save_every_n_steps", "0",
-         "--sample_every", "400", *common]
+        [
+            "--vae_path",
+            vae_path,
+            "--steps",
+            str(args.dalle_steps),
+            "--text_seq_len",
+            "16",
+            "--save_every_n_steps",
+            "0",
+            "--sample_every",
+            "400",
+            "--null_cond_prob",
+            "0.1",
+            *common,
+        ]
     )
     t2 = time.time()
-    folders = generate.main(["--dalle_path", dalle_path, "--text", CAPTIONS, "--outputs_dir", os.path.join(args.out, "outputs"), "--quiet"])
-    evaluate.main(["--vae_path", vae_path, "--dalle_path", dalle_path, "--num_images", str(args.eval_images),
-                   "--out", os.path.join(args.out, "eval")])
+    sampling = ["--temperature", "0.5", "--cond_scale", "2"]
+    folders = generate.main(
+        [
+            "--dalle_path",
+            dalle_path,
+            "--text",
+            CAPTIONS,
+            "--outputs_dir",
+            os.path.join(args.out, "outputs"),
+            "--quiet",
+            *sampling,
+        ]
+    )
+    evaluate.main(
+        [
+            "--vae_path",
+            vae_path,
+            "--dalle_path",
+            dalle_path,
+            "--num_images",
+            str(args.eval_images),
+            "--out",
+            os.path.join(args.out, "eval"),
+            *sampling,
+        ]
+    )
     t3 = time.time()
     print(f"\ntimes: VAE {t1 - t0:.0f}s, DALLE {t2 - t1:.0f}s, generation + evaluation {t3 - t2:.0f}s")
     print(f"runs:   {os.path.join(args.out, 'runs')}/ (vae/, dalle/: metrics.jsonl, samples/, train.log)")
     print("images: " + ", ".join(f + "/" for f in folders))
-    print(f"eval:   {os.path.join(args.out, 'eval')}/ (results.json, results.txt, generated_seen.png, generated_heldout.png)")
+    print(
+        f"eval:   {os.path.join(args.out, 'eval')}/ "
+        "(results.json, results.txt, generated_seen.png, generated_heldout.png)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ def remove_stale_locks(root: str) -> list[str]:
 
 
 def main() -> int:
-    from torch.utils.cpp_extension import _get_build_directory  # noqa: F401  (ensures torch is importable)
-    from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils.cpp_extension import (
+        _get_build_directory,  # noqa: F401  (ensures torch is importable)
+        get_default_build_root,
+    )
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR", get_default_build_root())
     for lock in remove_stale_locks(root):

@@ -21,7 +21,9 @@ model = torch.nn.Linear(2, 1, bias=False)
 with torch.no_grad():
     model.weight.zero_()
 model, opt, sched = backend.prepare(
-    model, lambda m: torch.optim.SGD(m.parameters(), lr=1.0), lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)
+    model,
+    lambda m: torch.optim.SGD(m.parameters(), lr=1.0),
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0),
 )
 x = torch.tensor([[10.0, 0.0]]) if backend.rank == 0 else torch.tensor([[0.0, 0.1]])
 backend.backward(model(x).sum())  # d/dw = x

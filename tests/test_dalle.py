@@ -11,8 +11,17 @@ T, F, VT, VI = 6, 4, 20, 12
 
 def model(**kw):
     torch.manual_seed(0)
-    cfg = DALLEConfig(dim=32, depth=2, heads=2, dim_head=16, text_seq_len=T, num_text_tokens=VT,
-                      num_image_tokens=VI, image_fmap_size=F, **kw)
+    cfg = DALLEConfig(
+        dim=32,
+        depth=2,
+        heads=2,
+        dim_head=16,
+        text_seq_len=T,
+        num_text_tokens=VT,
+        num_image_tokens=VI,
+        image_fmap_size=F,
+        **kw,
+    )
     return DALLE(cfg).eval()
 
 
@@ -22,7 +31,9 @@ def batch(b=2):
 
 
 VARIANTS = [dict(attn_types=[t]) for t in ATTN_TYPES] + [
-    dict(rotary_emb=True), dict(shift_tokens=True), dict(stable=True, sandwich_norm=True, qk_norm=True),
+    dict(rotary_emb=True),
+    dict(shift_tokens=True),
+    dict(stable=True, sandwich_norm=True, qk_norm=True),
     dict(attn_types=["full", "axial_row", "axial_col", "conv_like"], shift_tokens=True, rotary_emb=True),
 ]
 

@@ -9,9 +9,15 @@ VENV_BIN = os.path.dirname(sys.executable)
 
 def test_deepspeed_imports_with_cpu_accelerator():
     out = subprocess.run(
-        [sys.executable, "-c", "import deepspeed; from deepspeed.accelerator import get_accelerator; "
-         "print(deepspeed.__version__, get_accelerator().communication_backend_name())"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import deepspeed; from deepspeed.accelerator import get_accelerator; "
+            "print(deepspeed.__version__, get_accelerator().communication_backend_name())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] in ("gloo", "nccl", "ccl")
@@ -25,7 +31,9 @@ def test_horovod_gloo_allreduce_on_two_ranks():
     )
     out = subprocess.run(
         [os.path.join(VENV_BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     results = sorted(line.split("RESULT")[1].split() for line in out.stdout.splitlines() if "RESULT" in line)

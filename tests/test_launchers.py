@@ -29,16 +29,70 @@ _ports = itertools.count(29700 + os.getpid() % 200)
 # step logs, taken after synchronization and before clipping, must match too (relative 1e-4).
 CLOSE, FAR, NORM_RTOL = 1e-5, 1e-3, 1e-4
 
-TINY_VAE = ["--image_size", "16", "--num_tokens", "16", "--hidden_dim", "16", "--codebook_dim", "16",
-            "--num_workers", "0", "--quiet", "--dataset_size", "200", "--log_every", "1", "--sample_every", "2"]
+TINY_VAE = [
+    "--image_size",
+    "16",
+    "--num_tokens",
+    "16",
+    "--hidden_dim",
+    "16",
+    "--codebook_dim",
+    "16",
+    "--num_workers",
+    "0",
+    "--quiet",
+    "--dataset_size",
+    "200",
+    "--log_every",
+    "1",
+    "--sample_every",
+    "2",
+]
 
 
 def dalle_args(vae_path, out, batch, steps=3, extra=()):
-    return ["--vae_path", vae_path, "--dim", "32", "--depth", "2", "--heads", "2", "--dim_head", "16",
-            "--text_seq_len", "12", "--tokenizer", "byte", "--batch_size", str(batch), "--num_workers", "0", "--quiet",
-            "--dataset_size", "200", "--log_every", "1", "--steps", str(steps), "--output_dir", out, "--warmup_steps", "0",
-            "--learning_rate", "3e-3", "--clip_grad_norm", "1.0", "--save_every_n_steps", "2", "--sample_every", "2",
-            "--sample_captions", "a red circle", *extra]
+    return [
+        "--vae_path",
+        vae_path,
+        "--dim",
+        "32",
+        "--depth",
+        "2",
+        "--heads",
+        "2",
+        "--dim_head",
+        "16",
+        "--text_seq_len",
+        "12",
+        "--tokenizer",
+        "byte",
+        "--batch_size",
+        str(batch),
+        "--num_workers",
+        "0",
+        "--quiet",
+        "--dataset_size",
+        "200",
+        "--log_every",
+        "1",
+        "--steps",
+        str(steps),
+        "--output_dir",
+        out,
+        "--warmup_steps",
+        "0",
+        "--learning_rate",
+        "3e-3",
+        "--clip_grad_norm",
+        "1.0",
+        "--save_every_n_steps",
+        "2",
+        "--sample_every",
+        "2",
+        "--sample_captions",
+        "a red circle",
+        *extra,
+    ]
 
 
 def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
@@ -50,7 +104,17 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
     elif kind == "deepspeed":
         cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", port, script, *args]
     elif kind == "horovod":
-        cmd = [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, script, *args]
+        cmd = [
+            os.path.join(BIN, "horovodrun"),
+            "--gloo",
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            sys.executable,
+            script,
+            *args,
+        ]
     else:
         raise ValueError(kind)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -60,7 +124,9 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
 
 @pytest.fixture(scope="module")
 def vae_path(tmp_path_factory):
-    return train_vae.main([*TINY_VAE, "--batch_size", "8", "--steps", "2", "--output_dir", str(tmp_path_factory.mktemp("vae"))])
+    return train_vae.main(
+        [*TINY_VAE, "--batch_size", "8", "--steps", "2", "--output_dir", str(tmp_path_factory.mktemp("vae"))]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +193,26 @@ def test_two_nodes_on_loopback(vae_path, tmp_path):
     args = dalle_args(vae_path, str(tmp_path), 4)
     procs = [
         subprocess.Popen(
-            [os.path.join(BIN, "torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-             "--master_addr", "127.0.0.1", "--master_port", port, os.path.join(ROOT, "train_dalle.py"), *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            [
+                os.path.join(BIN, "torchrun"),
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                os.path.join(ROOT, "train_dalle.py"),
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
         )
         for node in (0, 1)
     ]
@@ -141,9 +224,20 @@ def test_two_nodes_on_loopback(vae_path, tmp_path):
 
 def test_horovod_clips_synchronized_gradients():
     out = subprocess.run(
-        [os.path.join(BIN, "horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
-         os.path.join(ROOT, "tests", "horovod_clip_check.py")],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            os.path.join(BIN, "horovodrun"),
+            "--gloo",
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            sys.executable,
+            os.path.join(ROOT, "tests", "horovod_clip_check.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("CLIP_OK") == 2

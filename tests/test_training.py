@@ -11,14 +11,56 @@ import train_dalle
 import train_vae
 from dalle_pytorch.checkpoints import safe_load, step_dirs
 
-TINY_VAE = ["--image_size", "16", "--num_tokens", "16", "--hidden_dim", "16", "--codebook_dim", "16",
-            "--batch_size", "8", "--num_workers", "0", "--quiet", "--dataset_size", "200", "--log_every", "2"]
+TINY_VAE = [
+    "--image_size",
+    "16",
+    "--num_tokens",
+    "16",
+    "--hidden_dim",
+    "16",
+    "--codebook_dim",
+    "16",
+    "--batch_size",
+    "8",
+    "--num_workers",
+    "0",
+    "--quiet",
+    "--dataset_size",
+    "200",
+    "--log_every",
+    "2",
+]
 
 
 def tiny_dalle(vae_path):
-    return ["--vae_path", vae_path, "--dim", "32", "--depth", "2", "--heads", "2", "--dim_head", "16",
-            "--text_seq_len", "12", "--tokenizer", "byte", "--batch_size", "8", "--num_workers", "0", "--quiet",
-            "--dataset_size", "200", "--log_every", "2", "--sample_captions", "a red circle", "a blue square"]
+    return [
+        "--vae_path",
+        vae_path,
+        "--dim",
+        "32",
+        "--depth",
+        "2",
+        "--heads",
+        "2",
+        "--dim_head",
+        "16",
+        "--text_seq_len",
+        "12",
+        "--tokenizer",
+        "byte",
+        "--batch_size",
+        "8",
+        "--num_workers",
+        "0",
+        "--quiet",
+        "--dataset_size",
+        "200",
+        "--log_every",
+        "2",
+        "--sample_captions",
+        "a red circle",
+        "a blue square",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +90,19 @@ def _weights(path):
 
 
 def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
-    args = [*tiny_dalle(vae_path), "--steps", "6", "--save_every_n_steps", "3", "--keep_n_checkpoints", "5",
-            "--output_dir", str(tmp_path), "--sample_every", "3"]
+    args = [
+        *tiny_dalle(vae_path),
+        "--steps",
+        "6",
+        "--save_every_n_steps",
+        "3",
+        "--keep_n_checkpoints",
+        "5",
+        "--output_dir",
+        str(tmp_path),
+        "--sample_every",
+        "3",
+    ]
     export = train_dalle.main(args)
     full = _weights(export)
     ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
@@ -66,8 +119,19 @@ def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
 
 
 def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
-    args = [*TINY_VAE, "--steps", "4", "--save_every_n_steps", "2", "--keep_n_checkpoints", "5", "--output_dir", str(tmp_path),
-            "--sample_every", "0"]
+    args = [
+        *TINY_VAE,
+        "--steps",
+        "4",
+        "--save_every_n_steps",
+        "2",
+        "--keep_n_checkpoints",
+        "5",
+        "--output_dir",
+        str(tmp_path),
+        "--sample_every",
+        "0",
+    ]
     export = train_vae.main(args)
     full = _weights(export)
     import shutil
@@ -79,8 +143,19 @@ def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
 
 
 def test_auto_resume_skips_partial_and_corrupt(vae_path, tmp_path, capsys):
-    args = [*tiny_dalle(vae_path), "--steps", "4", "--save_every_n_steps", "2", "--keep_n_checkpoints", "5",
-            "--output_dir", str(tmp_path), "--sample_every", "0"]
+    args = [
+        *tiny_dalle(vae_path),
+        "--steps",
+        "4",
+        "--save_every_n_steps",
+        "2",
+        "--keep_n_checkpoints",
+        "5",
+        "--output_dir",
+        str(tmp_path),
+        "--sample_every",
+        "0",
+    ]
     train_dalle.main(args)
     ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
     os.makedirs(os.path.join(ckpts, "step-00000009.tmp"))  # a write killed midway: never picked
@@ -122,7 +197,58 @@ def test_user_errors_are_one_line(tmp_path, capsys):
 def test_accumulation_equals_large_batch(vae_path, tmp_path):
     common = [*tiny_dalle(vae_path), "--steps", "3", "--save_every_n_steps", "0", "--sample_every", "0"]
     big = train_dalle.main([*common, "--batch_size", "8", "--output_dir", str(tmp_path / "a")])
-    acc = train_dalle.main([*common, "--batch_size", "4", "--global_batch_size", "8", "--output_dir", str(tmp_path / "b")])
+    acc = train_dalle.main(
+        [*common, "--batch_size", "4", "--global_batch_size", "8", "--output_dir", str(tmp_path / "b")]
+    )
     a, b = _weights(big), _weights(acc)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_train_dalle_on_webdataset_shards(vae_path, tmp_path):
+    from dalle_pytorch.shapes_export import export_wds
+
+    export_wds(str(tmp_path / "shards"), 64, image_size=16, per_shard=16)
+    urls = str(tmp_path / "shards" / "shard-{000000..000003}.tar")
+    export = train_dalle.main(
+        [
+            *tiny_dalle(vae_path),
+            "--wds",
+            "png,txt",
+            "--image_text_folder",
+            urls,
+            "--steps",
+            "3",
+            "--output_dir",
+            str(tmp_path),
+            "--sample_every",
+            "0",
+            "--save_every_n_steps",
+            "0",
+        ]
+    )
+    assert os.path.exists(export)
+    with pytest.raises(SystemExit):
+        train_dalle.main(
+            [*tiny_dalle(vae_path), "--wds", "png,txt", "--image_text_folder", urls, "--output_dir", str(tmp_path)]
+        )
+
+
+def test_plot_draws_the_curves(vae_path):
+    from PIL import Image
+
+    from dalle_pytorch.plot import plot
+
+    out = plot(os.path.dirname(vae_path))
+    with Image.open(out) as img:
+        img.verify()
+    with Image.open(out) as img:
+        assert img.size == (1100, 400)
+
+
+def test_plot_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
+    from dalle_pytorch.plot import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err

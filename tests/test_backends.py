@@ -1,0 +1,112 @@
+"""Backend semantics in one process: fp16 loss scaling, accumulation arithmetic, topology and backend choice."""
+
+import pytest
+import torch
+
+from arguments import TrainConfig, Topology, resolve_backend, topology_from_env
+from distributed import make_backend
+from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
+
+
+def _prepared(precision="fp16"):
+    backend = make_backend("single", Topology("none"), precision=precision, clip_grad_norm=1.0)
+    backend.setup()
+    model = torch.nn.Linear(4, 1)
+    model, opt, sched = backend.prepare(
+        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1)
+    )
+    return backend, model
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    backend, model = _prepared()
+    x = torch.ones(2, 4)
+    scale0 = backend.loss_scale()
+    backend.backward(model(x).sum())
+    _, skipped = backend.step()
+    assert not skipped
+    before = [p.detach().clone() for p in model.parameters()]
+    backend.backward(model(x).sum() * float("inf"))  # an injected inf gradient
+    _, skipped = backend.step()
+    assert skipped and backend.loss_scale() < scale0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
+    backend.backward(model(x).sum())
+    _, skipped = backend.step()
+    assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # training goes on
+
+
+def test_bf16_autocast_runs():
+    backend, model = _prepared("bf16")
+    with backend.autocast():
+        y = model(torch.ones(2, 4))
+    assert y.dtype == torch.bfloat16
+
+
+def test_accumulation_steps():
+    cfg = TrainConfig(batch_size=4, global_batch_size=32)
+    assert cfg.accumulation_steps(2) == 4 and cfg.accumulation_steps(8) == 1
+    with pytest.raises(ValueError, match="global_batch_size 32 is not a multiple"):
+        cfg.accumulation_steps(3)
+
+
+@pytest.mark.parametrize(
+    "env,launcher,rank,world,local,node",
+    [
+        ({}, "none", 0, 1, 0, 0),
+        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+          "GROUP_RANK": "1"}, "torchrun", 3, 4, 1, 1),
+        ({"CROSS_RANK": "1", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4"}, "deepspeed", 5, 8, 1, 1),
+        ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
+          "HOROVOD_CROSS_RANK": "1"}, "horovod", 2, 4, 0, 1),
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "mpi", 1, 2, 1, 0),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpi", 1, 2, 0, 0),
+        ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+          "SLURM_JOB_NODELIST": "gpu[07-08]"}, "slurm", 6, 8, 2, 1),
+    ],
+)
+def test_topology_from_each_launcher(env, launcher, rank, world, local, node):
+    t = topology_from_env(env)
+    assert (t.launcher, t.rank, t.world_size, t.local_rank, t.node_rank) == (launcher, rank, world, local, node)
+    if launcher == "slurm":
+        assert t.master_addr == "gpu07"
+
+
+def test_backend_choice_and_refusals():
+    assert resolve_backend("auto", Topology("none")) == "single"
+    assert resolve_backend("auto", Topology("torchrun", world_size=2)) == "ddp"
+    assert resolve_backend("auto", Topology("deepspeed", world_size=2)) == "deepspeed"
+    assert resolve_backend("auto", Topology("horovod", world_size=2)) == "horovod"
+    # N processes that would each train alone: refused, never silent
+    with pytest.raises(ValueError, match="unsynchronized"):
+        resolve_backend("single", Topology("torchrun", world_size=2))
+
+
+def test_zero_memory_formulas_and_auto_stage():
+    psi = 1_000_000
+    assert zero_memory_bytes(psi, 0, 4, "bf16") == 16 * psi
+    assert zero_memory_bytes(psi, 1, 4, "bf16") == (4 + 12 / 4) * psi
+    assert zero_memory_bytes(psi, 2, 4, "bf16") == (2 + 14 / 4) * psi
+    assert zero_memory_bytes(psi, 3, 4, "bf16") == 16 / 4 * psi
+    act = 1e6
+    need = {s: zero_memory_bytes(psi, s, 4, "bf16") + act for s in range(4)}
+    for stage in range(4):  # a budget just above each stage's need picks exactly that stage
+        budget = need[stage] / 0.8 * 1.001
+        assert choose_zero_stage(psi, act, budget, 4, "bf16")[0] == stage
+    with pytest.raises(ValueError, match="no ZeRO stage fits"):
+        choose_zero_stage(psi, act, need[3] / 0.8 * 0.99, 4, "bf16")
+
+
+def test_deepspeed_config_from_flags():
+    cfg, conflicts = build_config(micro_batch=4, accumulation_steps=2, world_size=2, clip_grad_norm=0.0,
+                                  precision="fp16", zero_stage=2, on_gpu=True, loss_scale_window=500)
+    assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 0.0  # always explicit
+    assert cfg["fp16"]["loss_scale_window"] == 500 and cfg["zero_optimization"]["stage"] == 2
+    assert not conflicts
+    user = {"gradient_clipping": 0.5, "zero_optimization": {"stage": 3, "overlap_comm": True}}
+    cfg, conflicts = build_config(micro_batch=4, accumulation_steps=1, world_size=2, clip_grad_norm=1.0,
+                                  precision="bf16", zero_stage=1, on_gpu=False, user_config=user)
+    assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert "torch_autocast" in cfg and len(conflicts) == 2
+    with pytest.raises(ValueError, match="needs a GPU"):
+        build_config(micro_batch=1, accumulation_steps=1, world_size=1, clip_grad_norm=1.0, precision="fp16",
+                     zero_stage=0, on_gpu=False)

@@ -1,0 +1,76 @@
+import hashlib
+import os
+
+import pytest
+import torch
+
+from dalle_pytorch.data import CaptionFolder, ImageFolder
+from dalle_pytorch.shapes import pil_to_tensor, sample
+from dalle_pytorch.shapes_export import export_folder, export_wds
+from dalle_pytorch.wds import WebDatasetPairs
+
+
+def test_image_folder_nested_and_corrupt(tmp_path):
+    export_folder(str(tmp_path), 6, image_size=16, per_dir=3)  # two nested folders
+    (tmp_path / "00001" / "broken.png").write_bytes(b"not a png")
+    ds = ImageFolder(str(tmp_path), 16)
+    assert len(ds) == 7
+    with pytest.warns(UserWarning, match="skipping unreadable"):
+        items = [ds[i][0] for i in range(len(ds))]
+    assert all(x.shape == (3, 16, 16) for x in items)
+    assert ds.num_skipped == 1
+
+
+def test_empty_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no images under .* expected files ending in .png"):
+        ImageFolder(str(tmp_path), 16)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageFolder(str(tmp_path / "missing"), 16)
+
+
+def test_caption_folder_pairs_by_path(tmp_path):
+    for sub, color in (("a", (255, 0, 0)), ("b", (0, 0, 255))):
+        os.makedirs(tmp_path / sub)
+        from PIL import Image
+
+        Image.new("RGB", (16, 16), color).save(tmp_path / sub / "1.png")
+        (tmp_path / sub / "1.txt").write_text(f"\n{sub} caption\n\n")
+    (tmp_path / "a" / "lonely.png").write_bytes(b"")  # no caption: not a pair
+    ds = CaptionFolder(str(tmp_path), 16, resize_ratio=1.0)
+    assert len(ds) == 2
+    (img_a, cap_a), (img_b, cap_b) = ds[0], ds[1]
+    assert cap_a == "a caption" and img_a[0].mean() > 0.9  # red image with its own caption
+    assert cap_b == "b caption" and img_b[2].mean() > 0.9
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.mul(255).round().byte().numpy().tobytes()).hexdigest()
+
+
+def test_webdataset_split_by_rank_and_worker_reads_each_sample_once(tmp_path):
+    shards = export_wds(str(tmp_path), 40, image_size=16, per_shard=5)  # 8 shards
+    assert len(shards) == 8
+    expected = sorted(_digest(pil_to_tensor(sample(0, i, 16)[0])) for i in range(40))
+    seen = []
+    urls = str(tmp_path / "shard-{000000..000007}.tar")
+    for rank in range(2):
+        ds = WebDatasetPairs(urls, "png,txt", 16, resize_ratio=1.0, rank=rank, world_size=2, shuffle_buffer=4)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        seen += [_digest(img) for img, cap in loader]
+    assert sorted(seen) == expected
+
+
+def test_webdataset_corrupt_sample_skipped(tmp_path):
+    import io
+    import tarfile
+
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("x.png", b"garbage"), ("x.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = WebDatasetPairs(str(path), "png,txt", 16, shuffle_buffer=1)
+    with pytest.warns(UserWarning, match="skipping an unreadable"):
+        assert list(ds) == []
+    assert ds.num_skipped == 1
