@@ -35,9 +35,16 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     peak = matmul_flops(2048, torch.float32, device)
-    cfg = DALLEConfig(dim=args.dim, depth=args.depth, heads=args.heads, dim_head=args.dim_head,
-                      text_seq_len=args.text_seq_len, num_text_tokens=1024, num_image_tokens=1024,
-                      image_fmap_size=args.fmap)
+    cfg = DALLEConfig(
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        dim_head=args.dim_head,
+        text_seq_len=args.text_seq_len,
+        num_text_tokens=1024,
+        num_image_tokens=1024,
+        image_fmap_size=args.fmap,
+    )
     model = DALLE(cfg).eval().to(device)
     text = torch.randint(1, 1024, (args.batch, cfg.text_seq_len), device=device)
     n_params = sum(p.numel() for n, p in model.named_parameters() if not ("emb" in n or "pos" in n or n == "bos"))
@@ -47,7 +54,7 @@ def main(argv=None):
         generate_image_tokens(model, text, generator=g, use_cache=use_cache)
 
     results = {}
-    for use_cache in ([True, False] if args.no_cache else [True]):
+    for use_cache in [True, False] if args.no_cache else [True]:
         run(use_cache)
         sync(device)
         t = time.perf_counter()
@@ -58,7 +65,10 @@ def main(argv=None):
     generated = args.batch * cfg.image_seq_len
     bound = 2 * n_params * generated / peak  # seconds at the matmul peak
     dt = results[True]
-    print(f"device {device}, fp32, threads {torch.get_num_threads()}; {n_params / 1e6:.2f}M matmul parameters, batch {args.batch}")
+    print(
+        f"device {device}, fp32, threads {torch.get_num_threads()}; "
+        f"{n_params / 1e6:.2f}M matmul parameters, batch {args.batch}"
+    )
     print(f"measured dense matmul peak: {peak / 1e9:.1f} GFLOP/s")
     print(f"KV cache: {dt:.2f} s per batch, {args.batch / dt:.2f} images/s, {generated / dt:.0f} tokens/s")
     print(f"compute bound: {bound:.3f} s per batch; achieved {bound / dt:.1%} of the bound")

@@ -39,11 +39,20 @@ def main(argv=None):
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     peak = matmul_flops(4096 if device.type == "cuda" else 2048, dtype, device)
 
-    cfg = DALLEConfig(dim=args.dim, depth=args.depth, heads=args.heads, dim_head=args.dim_head,
-                      text_seq_len=args.text_seq_len, num_text_tokens=1024, num_image_tokens=1024,
-                      image_fmap_size=args.fmap)
+    cfg = DALLEConfig(
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        dim_head=args.dim_head,
+        text_seq_len=args.text_seq_len,
+        num_text_tokens=1024,
+        num_image_tokens=1024,
+        image_fmap_size=args.fmap,
+    )
     model = DALLE(cfg).to(device)
-    opt = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4, fused=device.type == "cuda", foreach=device.type != "cuda")
+    opt = torch.optim.AdamW(
+        param_groups(model, 0.01), lr=1e-4, fused=device.type == "cuda", foreach=device.type != "cuda"
+    )
     step_model = torch.compile(model) if args.compile else model
     text = torch.randint(1, 1024, (args.batch, cfg.text_seq_len), device=device)
     image = torch.randint(0, 1024, (args.batch, cfg.image_seq_len), device=device)
@@ -71,7 +80,10 @@ def main(argv=None):
     attn = 6 * 2 * cfg.depth * args.batch * seq**2 * cfg.heads * cfg.dim_head
     flops = 6 * (n_params - embed) * tokens + attn  # embedding lookups are not matmuls
     print(f"device {device}, {args.precision}, threads {torch.get_num_threads()}")
-    print(f"model: {n_params / 1e6:.2f}M parameters ({(n_params - embed) / 1e6:.2f}M in matmuls), sequence {seq}, batch {args.batch}")
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters ({(n_params - embed) / 1e6:.2f}M in matmuls), "
+        f"sequence {seq}, batch {args.batch}"
+    )
     print(f"measured dense matmul peak: {peak / 1e9:.1f} GFLOP/s")
     print(f"step: {dt * 1e3:.1f} ms, {tokens / dt:.0f} tokens/s, {args.batch / dt:.1f} images/s")
     print(f"model FLOPs per step: {flops / 1e9:.2f} GFLOP (attention {attn / flops:.1%})")

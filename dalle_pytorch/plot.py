@@ -1,6 +1,6 @@
 """Loss and throughput curves of a run, from its metrics.jsonl, to PNG.
 
-    python -m dalle_pytorch.plot runs/dalle            # writes runs/dalle/curves.png
+python -m dalle_pytorch.plot runs/dalle            # writes runs/dalle/curves.png
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import os
 def read_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: pass a run directory written by train_vae.py or train_dalle.py")
+        raise FileNotFoundError(
+            f"{path} does not exist: pass a run directory written by train_vae.py or train_dalle.py"
+        )
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import horovod.torch as hvd
+import torch
 
 from .single import SingleBackend
 
@@ -31,9 +32,11 @@ class HorovodBackend(SingleBackend):
             hvd.shutdown()
 
     def wrap_optimizer(self, optimizer, model):
-        # every rank starts from rank 0's weights and optimizer state
+        # every rank starts from rank 0's weights. Not hvd.broadcast_optimizer_state: on a new optimizer it
+        # "initializes" the state by an optimizer.step() on zero gradients, which applies weight decay and
+        # advances Adam's step count (so its bias correction) by one. A new optimizer's state is empty on
+        # every rank, and a resumed one is read from the same checkpoint by every rank.
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         compression = (
             hvd.Compression.fp16
             if getattr(self.options, "horovod_compression", "none") == "fp16"
@@ -46,6 +49,18 @@ class HorovodBackend(SingleBackend):
             compression=compression,
             op=hvd.Average,
         )
+
+    def init_optimizer_state(self) -> None:
+        # the torch optimizer's own step on zero gradients, without Horovod's allreduce; the weights it moves
+        # and the state it creates are both overwritten by the checkpoint being loaded
+        if len(self.optimizer.state) == 0:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            super(self.optimizer.__class__, self.optimizer).step()
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
 
     def synchronize_gradients(self) -> None:
         self.optimizer.synchronize()  # wait for the allreduce: clipping must see the averaged gradients
@@ -75,8 +90,3 @@ class HorovodBackend(SingleBackend):
 
     def unwrap(self, model):
         return model
-
-    def load_checkpoint(self, directory: str) -> dict:
-        state = super().load_checkpoint(directory)
-        self.barrier()
-        return state

@@ -6,6 +6,14 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from .base import Backend
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
@@ -91,31 +99,52 @@ class SingleBackend(Backend):
     def barrier(self) -> None:
         pass
 
-    # checkpoints: the full states in one file written by rank 0, RNG states in one file per rank
-    def _shared_state(self) -> dict:
-        return {
-            "model": self.unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-        }
+    # Resume checkpoints: model and optimizer through torch.distributed.checkpoint (DCP), whose files are
+    # keyed by parameter name and resharded on load, so a checkpoint from any of the torch backends
+    # (single, DDP, FSDP, Horovod) at any world size resumes on any other. Scheduler, scaler and loop
+    # state go to one small file from rank 0, RNG states to one file per rank.
+    def _writes_dcp(self) -> bool:
+        """With a torch process group DCP coordinates every rank's writes; without one (Horovod), the
+        states are replicated and rank 0 alone writes them."""
+        return dist.is_initialized() or self.is_main
+
+    def init_optimizer_state(self) -> None:
+        """Create the optimizer's state tensors so that loading has a template (DCP's own way, a step on
+        zero gradients, is run by get_optimizer_state_dict when the state is empty; the weights it moves are
+        overwritten by the load)."""
 
     def save_checkpoint(self, directory: str, state: dict) -> None:
-        shared = self._shared_state()
+        to_save = {"model": get_model_state_dict(self.model)}
+        # before the first step the optimizer has no state, and get_optimizer_state_dict would create it
+        # by running optimizer.step() on zero gradients, which moves the weights (weight decay, Adam's step)
+        has_optimizer_state = len(self.optimizer.state) > 0
+        if has_optimizer_state:
+            to_save["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if self._writes_dcp():
+            dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"))
         if self.is_main:
-            save_shared_file(directory, {**shared, "state": state})
+            shared = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+            save_shared_file(directory, {**shared, "state": state, "has_optimizer_state": has_optimizer_state})
         save_rank_file(directory, self.rank)
 
     def load_checkpoint(self, directory: str) -> dict:
-        ckpt = load_shared_file(directory, self.device)
-        self.unwrap(self.model).load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        if ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
-        if os.path.exists(os.path.join(directory, f"rng-rank{self.rank}.pt")):
+        shared = load_shared_file(directory)
+        if not os.path.isdir(os.path.join(directory, "dcp")):
+            raise ValueError(f"{directory} has no dcp/ folder: it was not written by a torch or Horovod backend")
+        sd = {"model": get_model_state_dict(self.model)}
+        if shared["has_optimizer_state"]:
+            self.init_optimizer_state()
+            sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(sd, checkpoint_id=os.path.join(directory, "dcp"))
+        set_model_state_dict(self.model, sd["model"])  # after the optimizer's initializing step above
+        if shared["has_optimizer_state"]:
+            set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])
+        self.scheduler.load_state_dict(shared["scheduler"])
+        self.scaler.load_state_dict(shared["scaler"])
+        if os.path.exists(os.path.join(directory, f"rng-rank{self.rank}.pt")):  # absent at a larger world size
             load_rank_file(directory, self.rank)
-        return ckpt["state"]
+        self.barrier()
+        return shared["state"]
 
     def full_state_dict(self, model) -> dict | None:
         if not self.is_main:

@@ -52,8 +52,3 @@ class DDPBackend(SingleBackend):
 
     def barrier(self) -> None:
         dist.barrier()
-
-    def load_checkpoint(self, directory: str) -> dict:
-        state = super().load_checkpoint(directory)
-        self.barrier()
-        return state

@@ -23,10 +23,15 @@ CURRENT_STEP="create $VENV"; HINT="check that $PY exists (set PYTHON=/path/to/py
 if [ ! -x "$VENV/bin/python" ]; then
   step "$CURRENT_STEP"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
+  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
-PIP="$VENV/bin/pip"
 VPY="$VENV/bin/python"
+# pip, without the warnings about this machine's missing extra index folders
+PIP=pip_quiet
+pip_quiet() {
+  "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+  return "${PIPESTATUS[0]}"
+}
 
 have() { "$VPY" - "$@" <<'PYEOF'
 import sys
@@ -58,7 +63,8 @@ CURRENT_STEP="requirements.txt"; HINT="read the pip error above; a package pin i
 if ! "$VPY" -c "import deepspeed, webdataset, einops, tokenizers, tqdm, safetensors, pytest, PIL" 2>/dev/null \
    || [ requirements.txt -nt "$VENV/.requirements-installed" ]; then
   step "$CURRENT_STEP (deepspeed with DS_BUILD_OPS=0: ops are JIT-built when first used)"
-  DS_BUILD_OPS=0 "$PIP" install -q -r requirements.txt
+  export DS_BUILD_OPS=0
+  "$PIP" install -q -r requirements.txt
   touch "$VENV/.requirements-installed"
 fi
 
@@ -85,7 +91,7 @@ if ! have horovod==$HOROVOD_VERSION; then
     if ! env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
         HOROVOD_WITHOUT_MXNET=1 HOROVOD_GPU_OPERATIONS= HOROVOD_CPU_OPERATIONS=GLOO CMAKE_POLICY_VERSION_MINIMUM=3.5 \
         MAKEFLAGS="-j$(nproc)" \
-        "$PIP" wheel --no-deps --no-build-isolation -w "$src/dist" "$src/horovod-$HOROVOD_VERSION" \
+        "$VENV/bin/pip" wheel --no-deps --no-build-isolation -w "$src/dist" "$src/horovod-$HOROVOD_VERSION" \
         >"$CACHE/horovod-build.log" 2>&1; then
       tail -n 40 "$CACHE/horovod-build.log" >&2
       false

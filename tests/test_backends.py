@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from arguments import TrainConfig, Topology, resolve_backend, topology_from_env
+from arguments import Topology, TrainConfig, resolve_backend, topology_from_env
 from distributed import make_backend
 from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
 
@@ -13,7 +13,9 @@ def _prepared(precision="fp16"):
     backend.setup()
     model = torch.nn.Linear(4, 1)
     model, opt, sched = backend.prepare(
-        model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1)
+        model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1),
     )
     return backend, model
 
@@ -53,15 +55,66 @@ def test_accumulation_steps():
     "env,launcher,rank,world,local,node",
     [
         ({}, "none", 0, 1, 0, 0),
-        ({"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-          "GROUP_RANK": "1"}, "torchrun", 3, 4, 1, 1),
-        ({"CROSS_RANK": "1", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4"}, "deepspeed", 5, 8, 1, 1),
-        ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
-          "HOROVOD_CROSS_RANK": "1"}, "horovod", 2, 4, 0, 1),
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "mpi", 1, 2, 1, 0),
+        (
+            {
+                "TORCHELASTIC_RUN_ID": "x",
+                "RANK": "3",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "1",
+            },
+            "torchrun",
+            3,
+            4,
+            1,
+            1,
+        ),
+        (
+            {"CROSS_RANK": "1", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_SIZE": "4"},
+            "deepspeed",
+            5,
+            8,
+            1,
+            1,
+        ),
+        (
+            {
+                "HOROVOD_RANK": "2",
+                "HOROVOD_SIZE": "4",
+                "HOROVOD_LOCAL_RANK": "0",
+                "HOROVOD_LOCAL_SIZE": "2",
+                "HOROVOD_CROSS_RANK": "1",
+            },
+            "horovod",
+            2,
+            4,
+            0,
+            1,
+        ),
+        (
+            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+            "mpi",
+            1,
+            2,
+            1,
+            0,
+        ),
         ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpi", 1, 2, 0, 0),
-        ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-          "SLURM_JOB_NODELIST": "gpu[07-08]"}, "slurm", 6, 8, 2, 1),
+        (
+            {
+                "SLURM_PROCID": "6",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "2",
+                "SLURM_NODEID": "1",
+                "SLURM_JOB_NODELIST": "gpu[07-08]",
+            },
+            "slurm",
+            6,
+            8,
+            2,
+            1,
+        ),
     ],
 )
 def test_topology_from_each_launcher(env, launcher, rank, world, local, node):
@@ -97,16 +150,39 @@ def test_zero_memory_formulas_and_auto_stage():
 
 
 def test_deepspeed_config_from_flags():
-    cfg, conflicts = build_config(micro_batch=4, accumulation_steps=2, world_size=2, clip_grad_norm=0.0,
-                                  precision="fp16", zero_stage=2, on_gpu=True, loss_scale_window=500)
+    cfg, conflicts = build_config(
+        micro_batch=4,
+        accumulation_steps=2,
+        world_size=2,
+        clip_grad_norm=0.0,
+        precision="fp16",
+        zero_stage=2,
+        on_gpu=True,
+        loss_scale_window=500,
+    )
     assert cfg["train_batch_size"] == 16 and cfg["gradient_clipping"] == 0.0  # always explicit
     assert cfg["fp16"]["loss_scale_window"] == 500 and cfg["zero_optimization"]["stage"] == 2
     assert not conflicts
     user = {"gradient_clipping": 0.5, "zero_optimization": {"stage": 3, "overlap_comm": True}}
-    cfg, conflicts = build_config(micro_batch=4, accumulation_steps=1, world_size=2, clip_grad_norm=1.0,
-                                  precision="bf16", zero_stage=1, on_gpu=False, user_config=user)
+    cfg, conflicts = build_config(
+        micro_batch=4,
+        accumulation_steps=1,
+        world_size=2,
+        clip_grad_norm=1.0,
+        precision="bf16",
+        zero_stage=1,
+        on_gpu=False,
+        user_config=user,
+    )
     assert cfg["gradient_clipping"] == 0.5 and cfg["zero_optimization"] == {"stage": 3, "overlap_comm": True}
     assert "torch_autocast" in cfg and len(conflicts) == 2
     with pytest.raises(ValueError, match="needs a GPU"):
-        build_config(micro_batch=1, accumulation_steps=1, world_size=1, clip_grad_norm=1.0, precision="fp16",
-                     zero_stage=0, on_gpu=False)
+        build_config(
+            micro_batch=1,
+            accumulation_steps=1,
+            world_size=1,
+            clip_grad_norm=1.0,
+            precision="fp16",
+            zero_stage=0,
+            on_gpu=False,
+        )

@@ -241,3 +241,30 @@ def test_horovod_clips_synchronized_gradients():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("CLIP_OK") == 2
+
+
+def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
+    """A DDP checkpoint of 2 ranks resumes under Horovod on 2 ranks, an FSDP one in a single process,
+    and both reach the parameters of the uninterrupted DDP run."""
+    import shutil
+
+    base = dalle_args(vae_path, str(tmp_path / "ddp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
+    launch("torchrun", "train_dalle.py", [*base, "--distributed_backend", "ddp"])
+    run = tmp_path / "ddp" / "dalle"
+    full = safe_load(str(run / "dalle.pt"))["weights"]
+
+    def restart_from_step_2(src, dst):
+        shutil.copytree(src, dst)
+        shutil.rmtree(dst / "checkpoints" / "step-00000004")
+        os.remove(dst / "dalle.pt")
+
+    restart_from_step_2(run, tmp_path / "hvd" / "dalle")
+    launch("horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"])
+    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.pt"))["weights"])
+
+    fsdp = dalle_args(vae_path, str(tmp_path / "fsdp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
+    launch("torchrun", "train_dalle.py", [*fsdp, "--distributed_backend", "fsdp"])
+    restart_from_step_2(tmp_path / "fsdp" / "dalle", tmp_path / "one" / "dalle")
+    # one process takes the whole global batch of 8 from the sharded 2-rank checkpoint
+    train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
+    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
