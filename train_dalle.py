@@ -94,6 +94,10 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
         if run_cfg.wds:
             if not run_cfg.image_text_folder:
                 raise ValueError("--wds needs the shard URLs in --image_text_folder, e.g. 'shards/{000..099}.tar'")
+            if "," not in run_cfg.wds:
+                raise ValueError(
+                    f"--wds must name the image and caption keys, as in --wds jpg,txt (got {run_cfg.wds!r})"
+                )
             from dalle_pytorch.wds import WebDatasetPairs
 
             dataset = WebDatasetPairs(
@@ -116,6 +120,7 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
         model_cfg.num_text_tokens = tokenizer.vocab_size
         model_cfg.num_image_tokens = vae.num_tokens
         model_cfg.image_fmap_size = vae.fmap_size
+        run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, VAE {run_cfg.vae_path}")

@@ -20,7 +20,10 @@ from dalle_pytorch.vae import DiscreteVAE, VAEConfig
 
 @dataclass
 class VAERunConfig:
-    image_folder: str = flag("", "folder of images (searched recursively); empty: the built-in synthetic dataset")
+    image_folder: str = flag(
+        "", "folder of images (searched recursively), or WebDataset shard URLs with --wds; empty: the built-in dataset"
+    )
+    wds: str = flag("", "image key of WebDataset shards (e.g. jpg): --image_folder then holds the shard URLs")
     resize_ratio: float = flag(1.0, "random resized crop keeps at least this fraction of the image (1: no crop)")
     starting_temp: float = flag(1.0, "Gumbel-softmax temperature at step 0")
     temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")
@@ -48,13 +51,30 @@ def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
     from dalle_pytorch.vae_task import VAETask
 
     with distributed_run(cfg, "vae", {"model": model_cfg, "vae": run_cfg, "train": cfg}) as (backend, run):
-        if run_cfg.image_folder:
+        if run_cfg.wds:
+            from dalle_pytorch.wds import WebDatasetPairs
+
+            if not run_cfg.image_folder:
+                raise ValueError("--wds needs the shard URLs in --image_folder, e.g. 'shards/{000..099}.tar'")
+            key = run_cfg.wds.split(",")[0]
+            dataset = WebDatasetPairs(
+                run_cfg.image_folder,
+                key,
+                model_cfg.image_size,
+                model_cfg.channels,
+                run_cfg.resize_ratio,
+                backend.rank,
+                backend.world_size,
+                cfg.seed,
+            )
+        elif run_cfg.image_folder:
             dataset = ImageFolder(run_cfg.image_folder, model_cfg.image_size, model_cfg.channels, run_cfg.resize_ratio)
         else:
             if model_cfg.channels != 3:
                 raise ValueError("the built-in dataset is RGB: use --channels 3 or give --image_folder")
             dataset = ShapesDataset(cfg.dataset_size, model_cfg.image_size, seed=cfg.seed)
-        run.print(f"data: {len(dataset)} images from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
+        size = f"{len(dataset.shards)} shards" if run_cfg.wds else f"{len(dataset)} images"
+        run.print(f"data: {size} from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
         vae = DiscreteVAE(model_cfg)
         anneal = run_cfg.anneal_steps or cfg.steps or 0
         task = VAETask(

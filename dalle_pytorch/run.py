@@ -5,6 +5,7 @@ Only rank 0 writes; the other ranks get an object whose methods do nothing, so c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self._tb = None
         self._log = None
+        self.config: dict = {}
         if not is_main:
             return
         os.makedirs(self.samples, exist_ok=True)
@@ -44,9 +46,15 @@ class RunDir:
         self._log.write(line + "\n")
 
     def write_config(self, config: dict) -> None:
+        self.config = config
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
+
+    def update_config(self, section: str, value) -> None:
+        """Rewrite one section once it is known (DALLE's vocabulary sizes come from the tokenizer and VAE)."""
+        value = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        self.write_config({**self.config, section: value})
 
     def log_metrics(self, step: int, metrics: dict) -> None:
         if not self.is_main:

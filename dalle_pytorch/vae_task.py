@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import torch
@@ -30,8 +31,11 @@ class VAETask:
         self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
         self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
         self._last_tau = self.temp_start
-        n = min(num_sample_images, len(dataset))
-        self._fixed = torch.stack([dataset[i][0] for i in range(n)])  # the same images in every grid
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            first = [image for image, _ in itertools.islice(iter(dataset), num_sample_images)]
+        else:
+            first = [dataset[i][0] for i in range(min(num_sample_images, len(dataset)))]
+        self._fixed = torch.stack(first)  # the same images in every grid
 
     def temperature(self, step: int) -> float:
         return gumbel_temperature(step, self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind)

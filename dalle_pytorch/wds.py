@@ -32,8 +32,8 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 1000,
     ):
         image_key, _, caption_key = keys.partition(",")
-        if not image_key or not caption_key:
-            raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {keys!r})")
+        if not image_key:
+            raise ValueError(f"--wds must name the image key and the caption key, as in --wds jpg,txt (got {keys!r})")
         self.shards = sorted(expand_urls(urls)) if isinstance(urls, str) else list(urls)
         if len(self.shards) < world_size:
             raise ValueError(
@@ -92,6 +92,8 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         try:
             with Image.open(io.BytesIO(sample[self.image_key])) as img:
                 image = self.transform(img.convert(self.mode))
+            if not self.caption_key:  # images only (the VAE)
+                return image, ""
             lines = [t.strip() for t in sample[self.caption_key].decode("utf-8").splitlines() if t.strip()]
             if not lines:
                 raise ValueError("empty caption")

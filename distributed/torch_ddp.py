@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -16,10 +17,19 @@ class DDPBackend(SingleBackend):
     def setup(self) -> None:
         self.device = self._pick_device()
         if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # env:// lets torchrun hand over its own store (and a fresh one after a restart); SLURM and
+            # mpirun only describe the topology, so the variables are filled from it
+            for key, value in (
+                ("MASTER_ADDR", self.topo.master_addr),
+                ("MASTER_PORT", self.topo.master_port),
+                ("RANK", self.rank),
+                ("WORLD_SIZE", self.world_size),
+                ("LOCAL_RANK", self.local_rank),
+            ):
+                os.environ.setdefault(key, str(value))
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://{self.topo.master_addr}:{self.topo.master_port}",
+                "nccl" if self.device.type == "cuda" else "gloo",
+                init_method="env://",
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=datetime.timedelta(minutes=30),

@@ -15,9 +15,11 @@ import sys
 import pytest
 import torch
 
+import generate
 import train_dalle
 import train_vae
-from dalle_pytorch.checkpoints import safe_load
+from dalle_pytorch.checkpoints import safe_load, step_dirs
+from dalle_pytorch.convert import convert
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -176,6 +178,24 @@ def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, referenc
     config = json.load(open(os.path.join(run, "config.json")))
     assert config["derived"]["world_size"] == 2 and config["derived"]["accumulation_steps"] == (2 if accumulate else 1)
     assert os.path.exists(os.path.join(run, "samples", "step-00000002.png"))
+    if not accumulate and kind != "horovod":
+        # the final resume checkpoint, sharded or not, converts to the same export, which generates anywhere
+        converted = convert(step_dirs(os.path.join(run, "checkpoints"))[0], os.path.join(run, "converted.pt"))
+        assert_same(safe_load(os.path.join(run, "dalle.pt"))["weights"], safe_load(converted)["weights"])
+        folders = generate.main(
+            [
+                "--dalle_path",
+                converted,
+                "--text",
+                "a red circle",
+                "--num_images",
+                "2",
+                "--outputs_dir",
+                str(tmp_path / "out"),
+                "--quiet",
+            ]
+        )
+        assert len([f for f in os.listdir(folders[0]) if f.endswith(".png")]) == 3  # 2 images and the grid
 
 
 @pytest.mark.parametrize("kind", ["torchrun", "deepspeed", "horovod"])

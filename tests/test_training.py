@@ -252,3 +252,30 @@ def test_plot_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_train_vae_on_webdataset_shards(tmp_path):
+    from dalle_pytorch.shapes_export import export_wds
+
+    export_wds(str(tmp_path / "shards"), 32, image_size=16, per_shard=16)
+    urls = str(tmp_path / "shards" / "shard-{000000..000001}.tar")
+    export = train_vae.main(
+        [
+            *TINY_VAE,
+            "--wds",
+            "png",
+            "--image_folder",
+            urls,
+            "--steps",
+            "2",
+            "--batch_size",
+            "8",
+            "--output_dir",
+            str(tmp_path),
+            "--sample_every",
+            "0",
+            "--save_every_n_steps",
+            "0",
+        ]
+    )
+    assert os.path.exists(export)

@@ -1,0 +1,163 @@
+"""Crashes and preemption: SIGTERM saves and exits cleanly; torchrun --max-restarts resumes by itself."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import train_vae
+from dalle_pytorch.checkpoints import step_dirs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def vae_path(tmp_path_factory):
+    return train_vae.main(
+        [
+            "--image_size",
+            "16",
+            "--num_tokens",
+            "16",
+            "--hidden_dim",
+            "16",
+            "--codebook_dim",
+            "16",
+            "--batch_size",
+            "8",
+            "--num_workers",
+            "0",
+            "--quiet",
+            "--dataset_size",
+            "100",
+            "--steps",
+            "2",
+            "--output_dir",
+            str(tmp_path_factory.mktemp("vae")),
+        ]
+    )
+
+
+def dalle(vae_path, out, steps, save_every):
+    return [
+        os.path.join(ROOT, "train_dalle.py"),
+        "--vae_path",
+        vae_path,
+        "--dim",
+        "32",
+        "--depth",
+        "2",
+        "--heads",
+        "2",
+        "--dim_head",
+        "16",
+        "--text_seq_len",
+        "12",
+        "--tokenizer",
+        "byte",
+        "--batch_size",
+        "4",
+        "--num_workers",
+        "0",
+        "--quiet",
+        "--dataset_size",
+        "400",
+        "--log_every",
+        "1",
+        "--steps",
+        str(steps),
+        "--output_dir",
+        out,
+        "--save_every_n_steps",
+        str(save_every),
+        "--keep_n_checkpoints",
+        "3",
+        "--sample_every",
+        "0",
+        "--resume",
+        "auto",
+    ]
+
+
+def wait_for(predicate, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError("condition not reached")
+
+
+def metric_rows(run):
+    path = os.path.join(run, "metrics.jsonl")
+    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+
+
+def test_sigterm_saves_and_resume_continues(vae_path, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, *dalle(vae_path, str(tmp_path), 2000, 0)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = os.path.join(tmp_path, "dalle")
+    wait_for(lambda: metric_rows(run) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM: saved a checkpoint at step" in out
+    newest = step_dirs(os.path.join(run, "checkpoints"))[0]
+    stopped = int(newest.rsplit("-", 1)[1])
+    assert 3 <= stopped < 2000
+    out = subprocess.run(
+        [sys.executable, *dalle(vae_path, str(tmp_path), stopped + 2, 0)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert f"resumed from {newest} at step {stopped}" in out
+
+
+def test_torchrun_restarts_after_a_killed_rank(vae_path, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    port = str(29900 + os.getpid() % 90)
+    proc = subprocess.Popen(
+        [
+            os.path.join(BIN, "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            *dalle(vae_path, str(tmp_path), 300, 20),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
+    wait_for(lambda: any(d.endswith("step-00000020") for d in step_dirs(ckpts)))
+    workers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "train_dalle.py" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 2
+    workers[1].send_signal(signal.SIGKILL)  # a rank dies mid-run
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-4000:]
+    log = open(os.path.join(tmp_path, "dalle", "train.log")).read()
+    assert "resumed from" in log and "done at step 300" in log
