@@ -68,6 +68,9 @@ class TrainConfig:
     save_every_n_steps: int = flag(500, "write a resume checkpoint every N steps; 0 only at the end")
     keep_n_checkpoints: int = flag(2, "resume checkpoints to keep (older ones are deleted after a new one is complete)")
     resume: str = flag("", "resume from a checkpoint directory, or 'auto' for the newest complete one in the run")
+    tensorboard: bool = flag(True, "write TensorBoard event files into the run directory")
+    wandb: bool = flag(False, "log to Weights & Biases too (offline unless WANDB_MODE says otherwise)")
+    wandb_project: str = flag("dalle-pytorch", "Weights & Biases project")
     quiet: bool = flag(False, "no progress bar")
     debug: bool = flag(False, "show Python tracebacks for user errors")
 

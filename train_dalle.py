@@ -10,7 +10,9 @@ export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs no
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 from dataclasses import dataclass
 
@@ -80,6 +82,29 @@ def _tokenizer(run_cfg: DALLERunConfig, dataset, run, backend):
     return YttmTokenizer.from_file(path)
 
 
+def vae_fingerprint(export: dict) -> str:
+    """A short hash of the VAE's config and weights: resuming with another VAE would silently change the
+    meaning of every image token."""
+    h = hashlib.sha1(json.dumps(export["config"], sort_keys=True).encode())
+    for name in sorted(export["weights"]):
+        h.update(name.encode())
+        h.update(export["weights"][name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _check_same_vae(run_dir: str, vae_id: str, vae_path: str) -> None:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("vae_fingerprint")
+    if recorded and recorded != vae_id:
+        raise ValueError(
+            f"--vae_path {vae_path} is not the VAE this run was trained with (fingerprint {vae_id}, the run "
+            f"recorded {recorded}): pass the original VAE, or start a new run with another --name"
+        )
+
+
 def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
     from dalle_pytorch.dalle_task import DALLETask
     from dalle_pytorch.data import CaptionFolder
@@ -90,7 +115,11 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
     if not run_cfg.vae_path:
         raise ValueError("--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt")
     vae, vae_export = load_vae(run_cfg.vae_path)
-    with distributed_run(cfg, "dalle", {"model": model_cfg, "dalle": run_cfg, "train": cfg}) as (backend, run):
+    vae_id = vae_fingerprint(vae_export)
+    if cfg.resume:
+        _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, run_cfg.vae_path)
+    configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
+    with distributed_run(cfg, "dalle", configs) as (backend, run):
         if run_cfg.wds:
             if not run_cfg.image_text_folder:
                 raise ValueError("--wds needs the shard URLs in --image_text_folder, e.g. 'shards/{000..099}.tar'")

@@ -50,7 +50,12 @@ def distributed_run(cfg: TrainConfig, default_name: str, configs: dict):
     backend.setup()
     backend.set_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    run = RunDir(os.path.join(cfg.output_dir, cfg.name or default_name), backend.is_main)
+    run = RunDir(
+        os.path.join(cfg.output_dir, cfg.name or default_name),
+        backend.is_main,
+        cfg.tensorboard,
+        cfg.wandb_project if cfg.wandb else None,
+    )
     try:
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
         accum = cfg.accumulation_steps(backend.world_size)

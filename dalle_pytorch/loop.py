@@ -197,8 +197,11 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
                 images_per_s=samples_seen / elapsed,
                 **task.window_metrics(),
             )
-            if backend.device.type == "cuda":
-                row["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            # every rank's peak memory, one slot each, summed: the per-rank view for imbalance and OOM hunting
+            memory = torch.zeros(backend.world_size, device=backend.device)
+            memory[backend.rank] = _peak_memory_mb(backend.device)
+            row["memory_mb_per_rank"] = [round(m) for m in backend.all_reduce(memory, op="sum").tolist()]
+            row["images_per_s_per_rank"] = row["images_per_s"] / backend.world_size
             run.log_metrics(pos.step, row)
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", img_s=f"{row['images_per_s']:.0f}")
@@ -243,6 +246,14 @@ def _export(task: Task, model, backend) -> None:
     if backend.is_main:
         task.export(weights, task.export_path)
     backend.barrier()
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _fmt(v) -> str:

@@ -16,7 +16,7 @@ import torch
 
 
 class RunDir:
-    def __init__(self, path: str, is_main: bool, tensorboard: bool = True):
+    def __init__(self, path: str, is_main: bool, tensorboard: bool = True, wandb_project: str | None = None):
         self.path = path
         self.is_main = is_main
         self.samples = os.path.join(path, "samples")
@@ -29,6 +29,14 @@ class RunDir:
         os.makedirs(self.samples, exist_ok=True)
         os.makedirs(self.checkpoints, exist_ok=True)
         self._log = open(os.path.join(path, "train.log"), "a", buffering=1)
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("--wandb needs the wandb package: pip install wandb (or drop --wandb)") from None
+            os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed; `wandb sync` later
+            self._wandb = wandb.init(project=wandb_project, name=os.path.basename(path), dir=path)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -47,6 +55,8 @@ class RunDir:
 
     def write_config(self, config: dict) -> None:
         self.config = config
+        if self._wandb is not None:
+            self._wandb.config.update(config, allow_val_change=True)
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
@@ -62,12 +72,16 @@ class RunDir:
         row = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
         with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
         if self._log is not None:

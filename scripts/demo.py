@@ -27,7 +27,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="demo", help="folder for the runs, the images and the evaluation")
     p.add_argument("--vae_steps", type=int, default=1200)
-    p.add_argument("--dalle_steps", type=int, default=1300)
+    p.add_argument("--dalle_steps", type=int, default=2000)
     p.add_argument("--eval_images", type=int, default=200, help="generated images per split in the evaluation")
     args = p.parse_args(argv)
     t0 = time.time()
@@ -52,7 +52,7 @@ def main(argv=None):
         ]
     )
     t2 = time.time()
-    sampling = ["--temperature", "0.5"]  # sharper than the model's distribution: fewer malformed shapes
+    sampling = ["--temperature", "0.3"]  # sharper than the model's distribution: fewer malformed shapes
     folders = generate.main(
         [
             "--dalle_path",

@@ -279,3 +279,26 @@ def test_train_vae_on_webdataset_shards(tmp_path):
         ]
     )
     assert os.path.exists(export)
+
+
+def test_resume_with_another_vae_is_refused(vae_path, tmp_path, capsys):
+    args = [*tiny_dalle(vae_path), "--steps", "2", "--output_dir", str(tmp_path), "--sample_every", "0"]
+    train_dalle.main(args)
+    other = train_vae.main([*TINY_VAE, "--steps", "1", "--seed", "7", "--output_dir", str(tmp_path / "other")])
+    with pytest.raises(SystemExit):
+        train_dalle.main([*tiny_dalle(other), "--steps", "4", "--output_dir", str(tmp_path), "--resume", "auto"])
+    assert "is not the VAE this run was trained with" in capsys.readouterr().err
+
+
+def test_wandb_offline_logging(vae_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train_vae.main([*TINY_VAE, "--steps", "2", "--output_dir", str(tmp_path), "--wandb", "--sample_every", "0"])
+    assert os.path.isdir(os.path.join(tmp_path, "vae", "wandb"))
+
+
+def test_unknown_flag_value_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        train_vae.main(["--precision", "fp8"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'fp8'" in err and "Traceback" not in err
