@@ -72,6 +72,7 @@ class DALLETask:
         wrap = TokenizedStream if isinstance(dataset, torch.utils.data.IterableDataset) else TokenizedCaptions
         self.dataset = wrap(dataset, tokenizer, dalle.cfg.text_seq_len, truncate=True)
         self.export_path = export_path
+        self.tokens_per_sample = dalle.cfg.seq_len  # transformer positions per sample, for tokens/s
         self.sample_captions = sample_captions
         self.seed = seed
 

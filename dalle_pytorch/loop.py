@@ -202,6 +202,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             memory[backend.rank] = _peak_memory_mb(backend.device)
             row["memory_mb_per_rank"] = [round(m) for m in backend.all_reduce(memory, op="sum").tolist()]
             row["images_per_s_per_rank"] = row["images_per_s"] / backend.world_size
+            row["tokens_per_s"] = row["images_per_s"] * getattr(task, "tokens_per_sample", 0)
             run.log_metrics(pos.step, row)
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", img_s=f"{row['images_per_s']:.0f}")

@@ -23,13 +23,13 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self._tb = None
         self._log = None
+        self._wandb = None
         self.config: dict = {}
         if not is_main:
             return
         os.makedirs(self.samples, exist_ok=True)
         os.makedirs(self.checkpoints, exist_ok=True)
         self._log = open(os.path.join(path, "train.log"), "a", buffering=1)
-        self._wandb = None
         if wandb_project:
             try:
                 import wandb

@@ -28,6 +28,7 @@ class VAETask:
         self.model = vae
         self.dataset = dataset
         self.export_path = export_path
+        self.tokens_per_sample = vae.fmap_size**2  # image tokens per image, for tokens/s
         self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
         self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
         self._last_tau = self.temp_start

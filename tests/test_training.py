@@ -75,13 +75,25 @@ def test_vae_run_directory(vae_path):
         assert os.path.exists(os.path.join(run, name)), name
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [2, 4]
-    assert {"loss", "lr", "grad_norm", "temperature", "codebook_usage", "images_per_s"} <= set(rows[-1])
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "temperature",
+        "codebook_usage",
+        "images_per_s",
+        "tokens_per_s",
+        "memory_mb_per_rank",
+    } <= set(rows[-1])
     cfg = json.load(open(os.path.join(run, "config.json")))
     assert cfg["derived"]["global_batch_size"] == 8 and cfg["model"]["image_size"] == 16
     from PIL import Image
 
     grid = Image.open(os.path.join(run, "samples", "step-00000002.png"))
-    assert grid.size[0] > 16 * 8 and grid.size[1] > 16 * 3  # 8 images per row, 3 rows
+    grid.verify()
+    # originals, hard and soft reconstructions: 3 rows of 8 images of 16 px with 1 px padding
+    assert Image.open(os.path.join(run, "samples", "step-00000002.png")).size == (8 * 17 + 1, 3 * 17 + 1)
     assert step_dirs(os.path.join(run, "checkpoints"))
 
 
@@ -302,3 +314,18 @@ def test_unknown_flag_value_is_one_line(capsys):
         train_vae.main(["--precision", "fp8"])
     err = capsys.readouterr().err
     assert "invalid choice: 'fp8'" in err and "Traceback" not in err
+
+
+def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import dalle_pytorch.checkpoints as checkpoints
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints, "atomic_save", full_disk)
+    with pytest.raises(SystemExit):
+        train_vae.main([*TINY_VAE, "--steps", "1", "--output_dir", str(tmp_path), "--save_every_n_steps", "0"])
+    err = capsys.readouterr().err
+    assert "out of disk space" in err and "Traceback" not in err
