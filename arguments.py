@@ -43,6 +43,7 @@ class TrainConfig:
     weight_decay: float = flag(0.0, "AdamW weight decay (never applied to norms, biases and embeddings)")
     clip_grad_norm: float = flag(1.0, "clip the global gradient norm to this; 0 disables clipping")
     precision: str = flag("fp32", "numeric precision of the trained model", choices=PRECISIONS)
+    compile: bool = flag(False, "torch.compile the trained model (the first steps are slow while it compiles)")
     seed: int = flag(42, "random seed (data order, initialization, sampling)")
     # distribution
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)

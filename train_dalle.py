@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class DALLERunConfig:
     hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
     bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
     dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.pt)")
+    precompute_tokens: bool = flag(
+        False, "run the VAE over the data once before training (cached as RUN_DIR/tokens.pt; fixed crops)"
+    )
     sample_captions: list = flag(DEFAULT_SAMPLE_CAPTIONS, "captions drawn in the sample grids")
 
 
@@ -103,6 +107,28 @@ def _check_same_vae(run_dir: str, vae_id: str, vae_path: str) -> None:
             f"--vae_path {vae_path} is not the VAE this run was trained with (fingerprint {vae_id}, the run "
             f"recorded {recorded}): pass the original VAE, or start a new run with another --name"
         )
+
+
+def _precomputed(dataset, vae, vae_id: str, run, backend):
+    """Image tokens of the whole dataset, computed once on rank 0 and cached in the run directory."""
+    from dalle_pytorch.checkpoints import atomic_save, safe_load
+    from dalle_pytorch.dalle_task import PrecomputedTokens, precompute_tokens
+
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ValueError(
+            "--precompute_tokens needs a caption folder or the built-in dataset, not streamed --wds shards"
+        )
+    path = os.path.join(run.path, "tokens.pt")
+    if backend.is_main:
+        cached = safe_load(path) if os.path.exists(path) else None
+        if cached is None or cached["vae_fingerprint"] != vae_id or len(cached["text"]) != len(dataset):
+            t = time.perf_counter()
+            data = precompute_tokens(dataset, vae.to(backend.device))
+            atomic_save({"vae_fingerprint": vae_id, "image_tokens": data.image_tokens, "text": data.text}, path)
+            run.print(f"precomputed image tokens of {len(data)} samples in {time.perf_counter() - t:.1f}s: {path}")
+    backend.barrier()
+    cached = safe_load(path)
+    return PrecomputedTokens(cached["image_tokens"], cached["text"])
 
 
 def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
@@ -163,6 +189,8 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
             run_cfg.sample_captions,
             cfg.seed,
         )
+        if run_cfg.precompute_tokens:
+            task.dataset = _precomputed(task.dataset, vae, vae_id, run, backend)
         pos = train(task, cfg, backend, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:

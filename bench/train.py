@@ -33,6 +33,7 @@ def main(argv=None):
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--profile", action="store_true", help="also print where a step's time goes (torch.profiler)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -72,6 +73,17 @@ def main(argv=None):
         step()
     sync(device)
     dt = (time.perf_counter() - t) / args.steps
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                step()
+            sync(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=12))
 
     n_params = sum(p.numel() for p in model.parameters())
     embed = sum(p.numel() for n, p in model.named_parameters() if "emb" in n or "pos" in n or n in ("bos",))

@@ -51,6 +51,36 @@ class TokenizedStream(torch.utils.data.IterableDataset):
             yield self.tok[0]
 
 
+class PrecomputedTokens(torch.utils.data.Dataset):
+    """(image token ids, caption ids) of every sample, from one VAE pass over the data before training.
+
+    Training then skips image decoding, augmentation and the VAE; the price is a fixed crop per image and
+    one caption line per image, drawn once."""
+
+    def __init__(self, image_tokens: torch.Tensor, text: torch.Tensor, truncated: int = 0):
+        self.image_tokens, self.text = image_tokens, text
+        self.truncated = multiprocessing.get_context("fork").Value("i", truncated)
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def __getitem__(self, index):
+        return self.image_tokens[index], self.text[index]
+
+
+@torch.no_grad()
+def precompute_tokens(
+    dataset: TokenizedCaptions, vae, batch_size: int = 256, num_workers: int = 0
+) -> PrecomputedTokens:
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+    device = next(vae.parameters()).device
+    images, texts = [], []
+    for image, text in loader:
+        images.append(vae.get_codebook_indices(image.to(device).float()).cpu())
+        texts.append(text)
+    return PrecomputedTokens(torch.cat(images), torch.cat(texts), dataset.truncated.value)
+
+
 class DALLETask:
     name = "dalle"
 
@@ -86,6 +116,8 @@ class DALLETask:
     def prepare_batch(self, batch, device):
         images, text = batch
         images = images.to(device, non_blocking=True)
+        if images.dtype == torch.long:  # --precompute_tokens: already VAE codes
+            return text.to(device, non_blocking=True), images
         if next(self.vae.parameters()).device != device:
             self.vae.to(device)
         with torch.no_grad():

@@ -117,6 +117,8 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             optimizer, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
         )
 
+    if cfg.compile:
+        task.model.compile()  # in place: same module, same state_dict keys, under any backend's wrapper
     activation_bytes = task.activation_bytes(cfg.batch_size) if hasattr(task, "activation_bytes") else 0.0
     model, optimizer, scheduler = backend.prepare(task.model, make_optimizer, make_scheduler, activation_bytes)
 

@@ -329,3 +329,32 @@ def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
         train_vae.main([*TINY_VAE, "--steps", "1", "--output_dir", str(tmp_path), "--save_every_n_steps", "0"])
     err = capsys.readouterr().err
     assert "out of disk space" in err and "Traceback" not in err
+
+
+def test_precomputed_tokens_train_and_are_cached(vae_path, tmp_path, capsys):
+    args = [
+        *tiny_dalle(vae_path),
+        "--steps",
+        "2",
+        "--output_dir",
+        str(tmp_path),
+        "--sample_every",
+        "0",
+        "--precompute_tokens",
+    ]
+    train_dalle.main(args)
+    assert os.path.exists(os.path.join(tmp_path, "dalle", "tokens.pt"))
+    assert "precomputed image tokens of 200 samples" in capsys.readouterr().out
+    train_dalle.main([*args, "--steps", "3", "--resume", "auto"])
+    assert "precomputed image tokens" not in capsys.readouterr().out  # reused
+
+
+@pytest.mark.slow
+def test_compile_flag_trains(vae_path, tmp_path):
+    export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "3", "--output_dir", str(tmp_path), "--compile"])
+    assert set(safe_load(export)["weights"]) == set(_weights_keys(vae_path, tmp_path))
+
+
+def _weights_keys(vae_path, tmp_path):
+    export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "1", "--output_dir", str(tmp_path / "plain")])
+    return safe_load(export)["weights"].keys()
