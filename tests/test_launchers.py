@@ -9,6 +9,7 @@ norm > --clip_grad_norm), so a backend that clipped unsynchronized per-rank grad
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -266,17 +267,10 @@ def test_horovod_clips_synchronized_gradients():
 def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     """A DDP checkpoint of 2 ranks resumes under Horovod on 2 ranks, an FSDP one in a single process,
     and both reach the parameters of the uninterrupted DDP run."""
-    import shutil
-
     base = dalle_args(vae_path, str(tmp_path / "ddp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*base, "--distributed_backend", "ddp"])
     run = tmp_path / "ddp" / "dalle"
     full = safe_load(str(run / "dalle.pt"))["weights"]
-
-    def restart_from_step_2(src, dst):
-        shutil.copytree(src, dst)
-        shutil.rmtree(dst / "checkpoints" / "step-00000004")
-        os.remove(dst / "dalle.pt")
 
     restart_from_step_2(run, tmp_path / "hvd" / "dalle")
     launch("horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"])
@@ -288,3 +282,24 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     # one process takes the whole global batch of 8 from the sharded 2-rank checkpoint
     train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
     assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
+
+
+def restart_from_step_2(src, dst):
+    """A copy of a finished 4-step run as if it had died right after its step-2 checkpoint."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / "step-00000004")
+    os.remove(dst / "dalle.pt")
+
+
+def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
+    args = ["--keep_n_checkpoints", "5", "--zero_stage", "2"]
+    launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=args))
+    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.pt"))["weights"]
+    restart_from_step_2(tmp_path / "a" / "dalle", tmp_path / "b" / "dalle")
+    out = launch(
+        "deepspeed",
+        "train_dalle.py",
+        [*dalle_args(vae_path, str(tmp_path / "b"), 4, steps=4, extra=args), "--resume", "auto"],
+    )
+    assert "resumed from" in out and "step-00000002" in out
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
