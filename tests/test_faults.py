@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import train_vae
 from dalle_pytorch.checkpoints import step_dirs
@@ -20,14 +21,7 @@ BIN = os.path.dirname(sys.executable)
 def vae_path(tmp_path_factory):
     return train_vae.main(
         [
-            "--image_size",
-            "16",
-            "--num_tokens",
-            "16",
-            "--hidden_dim",
-            "16",
-            "--codebook_dim",
-            "16",
+            *TINY_VAE_MODEL,
             "--batch_size",
             "8",
             "--num_workers",
@@ -48,18 +42,7 @@ def dalle(vae_path, out, steps, save_every):
         os.path.join(ROOT, "train_dalle.py"),
         "--vae_path",
         vae_path,
-        "--dim",
-        "32",
-        "--depth",
-        "2",
-        "--heads",
-        "2",
-        "--dim_head",
-        "16",
-        "--text_seq_len",
-        "12",
-        "--tokenizer",
-        "byte",
+        *TINY_DALLE_MODEL,
         "--batch_size",
         "4",
         "--num_workers",

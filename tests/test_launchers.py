@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import generate
 import train_dalle
@@ -33,14 +34,7 @@ _ports = itertools.count(29700 + os.getpid() % 200)
 CLOSE, FAR, NORM_RTOL = 1e-5, 1e-3, 1e-4
 
 TINY_VAE = [
-    "--image_size",
-    "16",
-    "--num_tokens",
-    "16",
-    "--hidden_dim",
-    "16",
-    "--codebook_dim",
-    "16",
+    *TINY_VAE_MODEL,
     "--num_workers",
     "0",
     "--quiet",
@@ -57,18 +51,7 @@ def dalle_args(vae_path, out, batch, steps=3, extra=()):
     return [
         "--vae_path",
         vae_path,
-        "--dim",
-        "32",
-        "--depth",
-        "2",
-        "--heads",
-        "2",
-        "--dim_head",
-        "16",
-        "--text_seq_len",
-        "12",
-        "--tokenizer",
-        "byte",
+        *TINY_DALLE_MODEL,
         "--batch_size",
         str(batch),
         "--num_workers",

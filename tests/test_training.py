@@ -6,20 +6,14 @@ import pickle
 
 import pytest
 import torch
+from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import train_dalle
 import train_vae
 from dalle_pytorch.checkpoints import safe_load, step_dirs
 
 TINY_VAE = [
-    "--image_size",
-    "16",
-    "--num_tokens",
-    "16",
-    "--hidden_dim",
-    "16",
-    "--codebook_dim",
-    "16",
+    *TINY_VAE_MODEL,
     "--batch_size",
     "8",
     "--num_workers",
@@ -36,18 +30,7 @@ def tiny_dalle(vae_path):
     return [
         "--vae_path",
         vae_path,
-        "--dim",
-        "32",
-        "--depth",
-        "2",
-        "--heads",
-        "2",
-        "--dim_head",
-        "16",
-        "--text_seq_len",
-        "12",
-        "--tokenizer",
-        "byte",
+        *TINY_DALLE_MODEL,
         "--batch_size",
         "8",
         "--num_workers",
