@@ -74,7 +74,7 @@ if ! have horovod==$HOROVOD_VERSION; then
   mkdir -p "$CACHE/wheels"
   wheel=$(ls "$CACHE"/wheels/horovod-$HOROVOD_VERSION-*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$wheel" ]; then
-    step "$CURRENT_STEP: building the wheel (10-30 minutes on 2 cores, cached in $CACHE/wheels afterwards)"
+    step "$CURRENT_STEP: building the wheel (about 4 minutes on 2 cores, cached in $CACHE/wheels afterwards)"
     src=$(mktemp -d)
     "$PIP" download -q --no-deps --no-binary :all: horovod==$HOROVOD_VERSION -d "$src"
     tar -xzf "$src"/horovod-$HOROVOD_VERSION.tar.gz -C "$src"
