@@ -107,7 +107,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     )
     total = cfg.steps or cfg.epochs * max(sampler.per_rank // cfg.batch_size // accum, 1)
 
-    def make_optimizer(model):  # built by the backend after wrapping: FSDP replaces the parameters
+    def make_optimizer(model):  # built by the backend after wrapping: sharding replaces the parameters
         return torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True
         )
