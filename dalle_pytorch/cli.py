@@ -58,7 +58,7 @@ def distributed_run(cfg: TrainConfig, default_name: str, configs: dict):
     )
     try:
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
-        accum = cfg.accumulation_steps(backend.world_size)
+        accum = backend.accumulation_steps
         resolved["derived"] = {
             "backend": backend.name,
             "launcher": topo.launcher,

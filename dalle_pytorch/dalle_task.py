@@ -26,7 +26,9 @@ class TokenizedCaptions(torch.utils.data.Dataset):
         return len(self.base)
 
     def __getitem__(self, index):
-        image, caption = self.base[index]
+        return self.tokenize(*self.base[index])
+
+    def tokenize(self, image, caption: str):
         ids, cut = self.tokenizer.tokenize(caption, self.text_seq_len, self.truncate)
         if cut:
             with self.truncated.get_lock():
@@ -47,8 +49,7 @@ class TokenizedStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         for image, caption in self.base:
-            self.tok.base = [(image, caption)]
-            yield self.tok[0]
+            yield self.tok.tokenize(image, caption)
 
 
 class PrecomputedTokens(torch.utils.data.Dataset):

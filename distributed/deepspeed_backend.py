@@ -83,9 +83,6 @@ class DeepSpeedBackend(DDPBackend):
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         return engine, optimizer, scheduler
 
-    def unwrap(self, model):
-        return getattr(model, "module", model)
-
     def accumulate(self, model, sync: bool):
         return contextlib.nullcontext()  # the engine reduces only at the accumulation boundary
 

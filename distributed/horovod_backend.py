@@ -7,8 +7,6 @@ with `backward_passes_per_step`, and the optimizer state saved is that of the ob
 
 from __future__ import annotations
 
-import contextlib
-
 import horovod.torch as hvd
 import torch
 
@@ -83,10 +81,3 @@ class HorovodBackend(SingleBackend):
 
     def barrier(self) -> None:
         hvd.barrier()
-
-    @contextlib.contextmanager
-    def full_params(self, model):
-        yield model
-
-    def unwrap(self, model):
-        return model

@@ -30,9 +30,6 @@ class FSDPBackend(DDPBackend):
         fully_shard(model, mp_policy=mp)
         return model
 
-    def unwrap(self, model):
-        return model
-
     def accumulate(self, model, sync: bool):
         model.set_requires_gradient_sync(sync)  # non-final micro-batches keep unreduced gradients
         return contextlib.nullcontext()
