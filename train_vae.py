@@ -46,7 +46,7 @@ def main(argv=None):
 
 def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
     from dalle_pytorch.data import ImageFolder
-    from dalle_pytorch.loop import train
+    from dalle_pytorch.loop import total_steps, train
     from dalle_pytorch.shapes import ShapesDataset
     from dalle_pytorch.vae_task import VAETask
 
@@ -83,11 +83,8 @@ def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
             run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
             (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
         )
-        if not anneal:  # derive from the run length once it is known: anneal over the whole run
-            per_epoch = len(dataset) // (
-                cfg.batch_size * backend.world_size * cfg.accumulation_steps(backend.world_size)
-            )
-            task.anneal_steps = max(cfg.epochs * per_epoch, 1)
+        if not anneal:  # anneal over the whole run, counted as the loop counts it
+            task.anneal_steps = total_steps(cfg, len(dataset), backend.world_size)
         pos = train(task, cfg, backend, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:

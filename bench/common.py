@@ -10,6 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dalle_pytorch.dalle import DALLEConfig  # noqa: E402
+
 
 def matmul_flops(n: int = 2048, dtype=torch.float32, device="cpu", seconds: float = 3.0) -> float:
     """Best FLOP/s of n x n @ n x n products over a few seconds (the hardware limit we compare against)."""
@@ -34,9 +36,29 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def peak_memory_mb(device) -> float:
-    if str(device).startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    import resource
+def add_model_args(p) -> None:
+    """The DALLE shape both benches use: 64x64 images as 16x16 tokens, text 32, dim 256, depth 4."""
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim_head", type=int, default=64)
+    p.add_argument("--fmap", type=int, default=16, help="image token grid side (64x64 images, 4x downsampling)")
+    p.add_argument("--text_seq_len", type=int, default=32)
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+def model_config(args) -> DALLEConfig:
+    return DALLEConfig(
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        dim_head=args.dim_head,
+        text_seq_len=args.text_seq_len,
+        num_text_tokens=1024,
+        num_image_tokens=1024,
+        image_fmap_size=args.fmap,
+    )
+
+
+def matmul_params(model) -> int:
+    """Parameters used in matmuls: all but the embedding tables and the bos vector (lookups, not FLOPs)."""
+    return sum(p.numel() for n, p in model.named_parameters() if not ("emb" in n or "pos" in n or n == "bos"))

@@ -12,20 +12,15 @@ import argparse
 import time
 
 import torch
-from common import matmul_flops, sync
+from common import add_model_args, matmul_flops, matmul_params, model_config, sync
 
-from dalle_pytorch.dalle import DALLE, DALLEConfig
+from dalle_pytorch.dalle import DALLE
 from dalle_pytorch.sampling import generate_image_tokens
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim_head", type=int, default=64)
-    p.add_argument("--fmap", type=int, default=16)
-    p.add_argument("--text_seq_len", type=int, default=32)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
@@ -35,19 +30,10 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     peak = matmul_flops(2048, torch.float32, device)
-    cfg = DALLEConfig(
-        dim=args.dim,
-        depth=args.depth,
-        heads=args.heads,
-        dim_head=args.dim_head,
-        text_seq_len=args.text_seq_len,
-        num_text_tokens=1024,
-        num_image_tokens=1024,
-        image_fmap_size=args.fmap,
-    )
+    cfg = model_config(args)
     model = DALLE(cfg).eval().to(device)
     text = torch.randint(1, 1024, (args.batch, cfg.text_seq_len), device=device)
-    n_params = sum(p.numel() for n, p in model.named_parameters() if not ("emb" in n or "pos" in n or n == "bos"))
+    n_params = matmul_params(model)
 
     def run(use_cache):
         g = torch.Generator(device).manual_seed(0)

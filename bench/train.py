@@ -13,20 +13,15 @@ import argparse
 import time
 
 import torch
-from common import matmul_flops, peak_memory_mb, sync
+from common import add_model_args, matmul_flops, matmul_params, model_config, sync
 
-from dalle_pytorch.dalle import DALLE, DALLEConfig
-from dalle_pytorch.loop import param_groups
+from dalle_pytorch.dalle import DALLE
+from dalle_pytorch.loop import param_groups, peak_memory_mb
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim_head", type=int, default=64)
-    p.add_argument("--fmap", type=int, default=16, help="image token grid side (64x64 images, 4x downsampling)")
-    p.add_argument("--text_seq_len", type=int, default=32)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
@@ -40,16 +35,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     peak = matmul_flops(4096 if device.type == "cuda" else 2048, dtype, device)
 
-    cfg = DALLEConfig(
-        dim=args.dim,
-        depth=args.depth,
-        heads=args.heads,
-        dim_head=args.dim_head,
-        text_seq_len=args.text_seq_len,
-        num_text_tokens=1024,
-        num_image_tokens=1024,
-        image_fmap_size=args.fmap,
-    )
+    cfg = model_config(args)
     model = DALLE(cfg).to(device)
     opt = torch.optim.AdamW(
         param_groups(model, 0.01), lr=1e-4, fused=device.type == "cuda", foreach=device.type != "cuda"
@@ -86,7 +72,7 @@ def main(argv=None):
         print(prof.key_averages().table(sort_by=sort, row_limit=12))
 
     n_params = sum(p.numel() for p in model.parameters())
-    embed = sum(p.numel() for n, p in model.named_parameters() if "emb" in n or "pos" in n or n in ("bos",))
+    embed = n_params - matmul_params(model)
     seq = cfg.seq_len
     tokens = args.batch * seq
     attn = 6 * 2 * cfg.depth * args.batch * seq**2 * cfg.heads * cfg.dim_head

@@ -42,7 +42,7 @@ class ShardedSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, length: int, rank: int, world_size: int, seed: int, batch_size: int):
-        self.per_rank = (length // world_size) // batch_size * batch_size
+        self.per_rank = self.shard_size(length, world_size, batch_size)
         if self.per_rank == 0:
             raise ValueError(
                 f"{length} samples are not enough for one batch of {batch_size} on each of {world_size} ranks: "
@@ -50,6 +50,11 @@ class ShardedSampler(torch.utils.data.Sampler):
             )
         self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
         self.epoch, self.start = 0, 0
+
+    @staticmethod
+    def shard_size(length: int, world_size: int, batch_size: int) -> int:
+        """Samples per rank per epoch: an equal share, cut to whole batches."""
+        return (length // world_size) // batch_size * batch_size
 
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
@@ -61,6 +66,14 @@ class ShardedSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.per_rank - self.start
+
+
+def total_steps(cfg, dataset_len: int | None, world_size: int) -> int:
+    """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream needs --steps)."""
+    if cfg.steps:
+        return cfg.steps
+    per_rank = ShardedSampler.shard_size(dataset_len, world_size, cfg.batch_size)
+    return cfg.epochs * max(per_rank // cfg.batch_size // cfg.accumulation_steps(world_size), 1)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -105,7 +118,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
         generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
-    total = cfg.steps or cfg.epochs * max(sampler.per_rank // cfg.batch_size // accum, 1)
+    total = total_steps(cfg, None if streamed else len(task.dataset), backend.world_size)
 
     def make_optimizer(model):  # built by the backend after wrapping: sharding replaces the parameters
         return torch.optim.AdamW(
@@ -201,7 +214,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             )
             # every rank's peak memory, one slot each, summed: the per-rank view for imbalance and OOM hunting
             memory = torch.zeros(backend.world_size, device=backend.device)
-            memory[backend.rank] = _peak_memory_mb(backend.device)
+            memory[backend.rank] = peak_memory_mb(backend.device)
             row["memory_mb_per_rank"] = [round(m) for m in backend.all_reduce(memory, op="sum").tolist()]
             row["images_per_s_per_rank"] = row["images_per_s"] / backend.world_size
             row["tokens_per_s"] = row["images_per_s"] * getattr(task, "tokens_per_sample", 0)
@@ -251,7 +264,7 @@ def _export(task: Task, model, backend) -> None:
     backend.barrier()
 
 
-def _peak_memory_mb(device: torch.device) -> float:
+def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
