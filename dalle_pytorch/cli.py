@@ -68,6 +68,9 @@ def distributed_run(cfg: TrainConfig, default_name: str, configs: dict):
         }
         run.write_config(resolved)
         yield backend, run
+        # on success, no rank leaves the group while a peer may still be in a collective: a peer whose
+        # connection closes mid-collective aborts (seen as a rare exit -6 under deepspeed ZeRO-3)
+        backend.barrier()
     finally:
         run.close()
         backend.teardown()
