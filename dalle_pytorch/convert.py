@@ -3,9 +3,10 @@
     python -m dalle_pytorch.convert runs/dalle/checkpoints/step-00001000 --out dalle.pt
     python -m dalle_pytorch.convert runs/vae/checkpoints/step-00000500 --out vae.pt
 
-Reads the checkpoint's weights without a process group and without DeepSpeed's helper scripts: the torch
-and Horovod backends' DCP shards through torch.distributed.checkpoint, DeepSpeed's ZeRO shards through
-deepspeed.utils.zero_to_fp32. The model config, the VAE and the tokenizer come from the run's config.json.
+Reads the checkpoint's weights without a process group and without DeepSpeed's helper scripts: the DCP
+copy that every backend writes through torch.distributed.checkpoint, or, for a checkpoint holding only
+DeepSpeed's own ZeRO shards, through deepspeed.utils.zero_to_fp32. The model config, the VAE and the
+tokenizer come from the run's config.json.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ import torch
 from dalle_pytorch.checkpoints import safe_load
 
 STATES_FILE = "states.pt"
+# One process writing or reading a whole DCP checkpoint alone (Horovod, one process, DeepSpeed's portable
+# copy) is intended here; DCP warns about it on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def save_shared_file(directory: str, obj: dict) -> None:

@@ -11,9 +11,11 @@ import os
 
 import deepspeed
 import torch
+import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-from .checkpoint_io import load_rank_file, save_rank_file
+from . import deepspeed_portable as portable
+from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
 from .deepspeed_config import build_config, choose_zero_stage, read_user_config
 from .torch_ddp import DDPBackend
 
@@ -77,8 +79,10 @@ class DeepSpeedBackend(DDPBackend):
             for line in conflicts:
                 print(f"warning: {line}", flush=True)
         model = model.to(self.device)
+        client_optimizer = make_optimizer(model)
+        self._group_names = portable.group_names(model, client_optimizer)  # before ZeRO flattens the groups
         engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=make_optimizer(model), lr_scheduler=make_scheduler, config=config
+            model=model, optimizer=client_optimizer, lr_scheduler=make_scheduler, config=config
         )
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         return engine, optimizer, scheduler
@@ -111,16 +115,77 @@ class DeepSpeedBackend(DDPBackend):
         else:
             yield module
 
+    # Resume checkpoints, two forms side by side. DeepSpeed's own (flat per-rank partitions) resumes
+    # exactly and fast at the same world size and ZeRO stage. The portable form (deepspeed_portable.py)
+    # is the layout the torch and Horovod backends write: full tensors by parameter name through DCP,
+    # gathered to rank 0, which reshards to any backend, world size or stage.
     def save_checkpoint(self, directory: str, state: dict) -> None:
-        self.engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
+        self.engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        with_optimizer = portable.has_state(self.engine.optimizer)
+        module = self.unwrap(self.engine)
+        model_sd, optim_sd = portable.gather(
+            module, self.engine.optimizer, self._group_names, with_optimizer, keep=self.is_main
+        )
+        if self.is_main:
+            to_save = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
+            dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"), no_dist=True)
+            save_shared_file(
+                directory,
+                {
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self._scaler_state(),
+                    "state": state,
+                    "has_optimizer_state": with_optimizer,
+                    "deepspeed": self._layout(),
+                },
+            )
         save_rank_file(directory, self.rank)
 
+    def _layout(self) -> dict:
+        """What DeepSpeed's own checkpoint needs to match to be loadable."""
+        return {"world_size": self.world_size, "zero_stage": self.zero_stage}
+
     def load_checkpoint(self, directory: str) -> dict:
-        path, client = self.engine.load_checkpoint(directory, tag=TAG)
-        if path is None:
-            raise ValueError(f"{directory} holds no DeepSpeed checkpoint (tag {TAG})")
-        load_rank_file(directory, self.rank)
-        return client["state"]
+        shared = load_shared_file(directory)
+        if shared.get("deepspeed") == self._layout() and os.path.isdir(os.path.join(directory, TAG)):
+            path, _ = self.engine.load_checkpoint(directory, tag=TAG)
+            if path is None:
+                raise ValueError(f"{directory} holds no DeepSpeed checkpoint (tag {TAG})")
+        else:
+            self._load_portable(directory, shared)
+        if os.path.exists(os.path.join(directory, f"rng-rank{self.rank}.pt")):  # absent at a larger world size
+            load_rank_file(directory, self.rank)
+        self.barrier()
+        return shared["state"]
+
+    def _load_portable(self, directory: str, shared: dict) -> None:
+        if not os.path.isdir(os.path.join(directory, "dcp")):
+            raise ValueError(f"{directory} has no dcp/ folder: it holds no portable checkpoint")
+        module = self.unwrap(self.engine)
+        with_optimizer = shared["has_optimizer_state"]
+        if with_optimizer:
+            portable.init_state(self.engine.optimizer)
+        model_sd, optim_sd = portable.gather(module, self.engine.optimizer, self._group_names, with_optimizer)
+        template = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(template, checkpoint_id=os.path.join(directory, "dcp"), no_dist=True)  # every rank reads it whole
+        portable.scatter(module, self.engine.optimizer, template["model"], template.get("optimizer"), self.zero_stage)
+        self.scheduler.load_state_dict(shared["scheduler"])
+        if self.precision == "fp16" and shared["scaler"]:
+            self.engine.optimizer.loss_scaler.cur_scale = float(shared["scaler"]["scale"])
+        if self.is_main:
+            print(f"{directory}: loaded the portable (resharded) checkpoint on ZeRO-{self.zero_stage}", flush=True)
+
+    def _scaler_state(self) -> dict:
+        """DeepSpeed's dynamic loss scale as torch's GradScaler.state_dict() writes it (empty unless fp16)."""
+        if self.precision != "fp16":
+            return {}
+        return {
+            "scale": self.loss_scale(),
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": self.options.loss_scale_window,
+            "_growth_tracker": 0,
+        }
 
     def full_state_dict(self, model):
         module = self.unwrap(model)

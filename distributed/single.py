@@ -121,7 +121,7 @@ class SingleBackend(Backend):
         if has_optimizer_state:
             to_save["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         if self._writes_dcp():
-            dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"))
+            dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"), no_dist=not dist.is_initialized())
         if self.is_main:
             shared = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
             save_shared_file(directory, {**shared, "state": state, "has_optimizer_state": has_optimizer_state})
@@ -130,12 +130,12 @@ class SingleBackend(Backend):
     def load_checkpoint(self, directory: str) -> dict:
         shared = load_shared_file(directory)
         if not os.path.isdir(os.path.join(directory, "dcp")):
-            raise ValueError(f"{directory} has no dcp/ folder: it was not written by a torch or Horovod backend")
+            raise ValueError(f"{directory} has no dcp/ folder: it was written before checkpoints were portable")
         sd = {"model": get_model_state_dict(self.model)}
         if shared["has_optimizer_state"]:
             self.init_optimizer_state()
             sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.load(sd, checkpoint_id=os.path.join(directory, "dcp"))
+        dcp.load(sd, checkpoint_id=os.path.join(directory, "dcp"), no_dist=not dist.is_initialized())
         set_model_state_dict(self.model, sd["model"])  # after the optimizer's initializing step above
         if shared["has_optimizer_state"]:
             set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])

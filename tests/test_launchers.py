@@ -286,3 +286,34 @@ def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
     )
     assert "resumed from" in out and "step-00000002" in out
     assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+
+
+def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
+    """A ZeRO-2 checkpoint of 2 ranks resumes under Horovod on 2 ranks, in one process, and under ZeRO-3
+    (DeepSpeed's own format cannot change stage); each reaches the uninterrupted run's parameters."""
+    base = ["--keep_n_checkpoints", "5"]
+    launch(
+        "deepspeed",
+        "train_dalle.py",
+        dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=[*base, "--zero_stage", "2"]),
+    )
+    run = tmp_path / "ds" / "dalle"
+    full = safe_load(str(run / "dalle.pt"))["weights"]
+
+    restart_from_step_2(run, tmp_path / "hvd" / "dalle")
+    out = launch(
+        "horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"]
+    )
+    assert "resumed from" in out and "step-00000002" in out  # not a fallback to the step-0 checkpoint
+    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.pt"))["weights"])
+
+    restart_from_step_2(run, tmp_path / "one" / "dalle")
+    train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
+    assert "step-00000002 at step 2" in capsys.readouterr().out
+    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
+
+    restart_from_step_2(run, tmp_path / "z3" / "dalle")
+    z3 = dalle_args(vae_path, str(tmp_path / "z3"), 4, steps=4, extra=["--zero_stage", "3"])
+    out = launch("deepspeed", "train_dalle.py", [*z3, "--resume", "auto"])
+    assert "portable" in out and "step-00000002 at step 2" in out
+    assert_same(full, safe_load(str(tmp_path / "z3" / "dalle" / "dalle.pt"))["weights"])

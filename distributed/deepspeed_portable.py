@@ -1,0 +1,150 @@
+"""DeepSpeed's training state in the layout every other backend reads, so checkpoints cross backends.
+
+DeepSpeed's own checkpoint holds flat per-rank partitions and loads only at the same world size and ZeRO
+stage. Beside it the DeepSpeed backend writes the layout of torch's `get_model_state_dict` /
+`get_optimizer_state_dict` (full fp32 weights, Adam moments and step per parameter name, param groups
+listing names), which torch.distributed.checkpoint reshards on load. The tensors are gathered from and
+scattered to the partitions with DeepSpeed's public tensor-fragment API (`safe_get_full_fp32_param`, ...).
+So a DeepSpeed checkpoint resumes under DDP, FSDP, Horovod or one process at any world size, at another
+ZeRO stage, and their checkpoints resume under DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step
+
+
+def base_optimizer(engine_optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that steps: ZeRO and DeepSpeed's bf16 optimizer wrap it, stage 0 in fp32 does not."""
+    return getattr(engine_optimizer, "optimizer", engine_optimizer)
+
+
+def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Parameter names per param group, read from the client optimizer before DeepSpeed flattens it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _partitioned(p) -> bool:
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _adam_step(base) -> torch.Tensor:
+    """DeepSpeed steps every flat partition together, so one step count holds for every parameter."""
+    return next(s["step"] for s in base.state.values() if "step" in s)
+
+
+def has_state(engine_optimizer) -> bool:
+    """Whether Adam's moments exist yet (ZeRO-3 leaves empty entries in the state before the first step)."""
+    return any(MOMENTS[0] in s for s in base_optimizer(engine_optimizer).state.values())
+
+
+def _link_moments(engine_optimizer) -> None:
+    """Point each parameter's fragment at its slice of the flat Adam moments (ZeRO-1/2, bf16 optimizer).
+
+    DeepSpeed 0.19 links them once, right after the first group's first step, when the later groups have no
+    state yet, so with two param groups (decay / no decay) the second group's moments stay unreachable
+    ("exp_avg not found in optimizer state fragment"). Relinking once every group has state mends that."""
+    if hasattr(engine_optimizer, "_hp_optimizer_states_linked"):
+        engine_optimizer._hp_optimizer_states_linked = False
+        engine_optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def gather(
+    module, engine_optimizer, names: list[list[str]], with_optimizer: bool, keep: bool = True
+) -> tuple[dict, dict | None]:
+    """Collective: (model state dict, optimizer state dict) with full fp32 CPU tensors. Ranks with
+    keep=False take part in the gathers but drop the results, so only the writer holds a full copy."""
+    base = base_optimizer(engine_optimizer)
+    if with_optimizer:
+        _link_moments(engine_optimizer)
+    params = dict(module.named_parameters())
+    model_sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in params}  # buffers
+    state = {}
+    for name, p in params.items():
+        if _partitioned(p):
+            weight = safe_get_full_fp32_param(p)
+            moments = {k: safe_get_full_optimizer_state(p, k) for k in MOMENTS} if with_optimizer else {}
+        else:
+            weight = p.detach().float()
+            moments = {k: base.state[p][k].detach() for k in MOMENTS} if with_optimizer else {}
+        if not keep:
+            continue
+        model_sd[name] = weight.cpu().clone()
+        if with_optimizer:
+            moments = {k: v.cpu().clone() for k, v in moments.items()}
+            state[name] = {"step": _adam_step(base).detach().cpu().clone(), **moments}
+    if not with_optimizer:
+        return model_sd, None
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def init_state(engine_optimizer) -> None:
+    """Create the optimizer's state (it is made lazily at the first step) so that it can be overwritten:
+    one step on zero gradients at learning rate 0, which moves no weight (torch's DCP does the same in
+    torch.distributed.checkpoint.state_dict._init_optim_state). ZeRO-1/2 link the flat state to each
+    parameter's fragment after a step; that link is made here too."""
+    if has_state(engine_optimizer):
+        return
+    base = base_optimizer(engine_optimizer)
+    saved = [(g["lr"], g["params"]) for g in base.param_groups]
+    flat = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None)
+    if flat is not None:  # ZeRO-3 hands each group its flat fp32 partitions only while it steps
+        for g in base.param_groups:
+            g["params"] = []
+        for sub_group, p in enumerate(flat):
+            base.param_groups[engine_optimizer.sub_group_to_group_id[sub_group]]["params"].append(p)
+    for g in base.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    base.step()
+    for g, (lr, params) in zip(base.param_groups, saved):
+        for p in g["params"]:
+            p.grad = None
+        g["lr"], g["params"] = lr, params
+    _link_moments(engine_optimizer)
+
+
+def scatter(module, engine_optimizer, model_sd: dict, optim_sd: dict | None, zero_stage: int) -> None:
+    """Collective: every rank holds the full tensors; each keeps its partition. Weights go to the fp32
+    master copy and to the model's own (possibly bf16, possibly partitioned) parameters."""
+    base = base_optimizer(engine_optimizer)
+    params = dict(module.named_parameters())
+    if optim_sd is not None:
+        init_state(engine_optimizer)
+    for name, p in params.items():
+        value = model_sd[name]
+        with GatheredParameters([p], modifier_rank=0, enabled=zero_stage == 3):
+            p.data.copy_(value.to(p.device, p.dtype))
+        if _partitioned(p):
+            safe_set_full_fp32_param(p, value.to(p.device))
+        if optim_sd is None:
+            continue
+        saved = optim_sd["state"][name]
+        for k in MOMENTS:
+            if _partitioned(p):
+                safe_set_full_optimizer_state(p, saved[k].to(p.device), k)
+            else:
+                base.state[p][k].copy_(saved[k])
+    for name, buf in module.named_buffers():
+        if name in model_sd:
+            buf.copy_(model_sd[name])
+    if optim_sd is None:
+        return
+    step = optim_sd["state"][next(iter(params))]["step"]
+    for s in base.state.values():
+        if "step" in s:
+            s["step"] = step.clone().to(s["step"].device) if torch.is_tensor(s["step"]) else float(step)
+    for g, saved in zip(base.param_groups, optim_sd["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
