@@ -248,8 +248,8 @@ def test_horovod_clips_synchronized_gradients():
 
 
 def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
-    """A DDP checkpoint of 2 ranks resumes under Horovod on 2 ranks, an FSDP one in a single process,
-    and both reach the parameters of the uninterrupted DDP run."""
+    """A DDP checkpoint of 2 ranks resumes under Horovod and DeepSpeed ZeRO-1 on 2 ranks, an FSDP one in a
+    single process, and each reaches the parameters of the uninterrupted DDP run."""
     base = dalle_args(vae_path, str(tmp_path / "ddp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*base, "--distributed_backend", "ddp"])
     run = tmp_path / "ddp" / "dalle"
@@ -258,6 +258,11 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     restart_from_step_2(run, tmp_path / "hvd" / "dalle")
     launch("horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"])
     assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.pt"))["weights"])
+
+    restart_from_step_2(run, tmp_path / "ds" / "dalle")
+    ds = dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=["--zero_stage", "1"])
+    assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*ds, "--resume", "auto"])
+    assert_same(full, safe_load(str(tmp_path / "ds" / "dalle" / "dalle.pt"))["weights"])
 
     fsdp = dalle_args(vae_path, str(tmp_path / "fsdp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*fsdp, "--distributed_backend", "fsdp"])
