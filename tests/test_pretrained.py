@@ -231,6 +231,19 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.main([*gen, "--outputs_dir", str(tmp_path / "out4"), "--vqgan_model_path", other])
     assert "holds other weights than the vqgan tokenizer this DALLE was trained with" in capsys.readouterr().err
+    # resuming with another VQGAN is refused; a resume checkpoint converts to an export with the same record
+    with pytest.raises(SystemExit):
+        train_dalle.main(
+            [*TRAIN, "--taming", "--vqgan_model_path", other, "--vqgan_config_path", config, "--output_dir", out]
+            + ["--resume", "auto"]
+        )
+    assert "is not the VAE this run was trained with" in capsys.readouterr().err
+    shutil.move(moved, ckpt)
+    from dalle_pytorch.checkpoints import step_dirs
+    from dalle_pytorch.convert import convert
+
+    converted = convert(step_dirs(os.path.join(out, "dalle", "checkpoints"))[0], str(tmp_path / "converted.pt"))
+    assert torch.load(converted, weights_only=True)["vae"] == record
 
 
 def test_train_and_generate_with_openai_dvae(tmp_path):
