@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import pickle
 import types
+import warnings
+import zipfile
 
 import torch
 
@@ -74,14 +76,17 @@ def load_untrusted(path: str, flag: str):
     command-line flag that gave the path, for the error messages."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path} does not exist")
+    mmap = zipfile.is_zipfile(path)  # a 1 GB Lightning checkpoint stays on disk until its tensors are copied
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         pass  # names classes or functions: read it again without running them
     except Exception as e:
         raise ValueError(f"{flag} {path} is not a readable torch file ({type(e).__name__}: {str(e)[:160]})") from None
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_INERT_PICKLE)
+        with warnings.catch_warnings():  # the legacy format compares pickled module source with the placeholders'
+            warnings.filterwarnings("ignore", message="Couldn't retrieve source code")
+            return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_INERT_PICKLE, mmap=mmap)
     except Exception as e:
         raise ValueError(
             f"{flag} {path} could not be read without running the code it pickles ({type(e).__name__}: "

@@ -144,7 +144,7 @@ def test_openai_matches_dall_e_live(tmp_path, monkeypatch):
     # OpenAI's released files are whole pickled modules; read them with the dall_e package unimportable
     os.makedirs(tmp_path / "pkl")
     torch.save(enc, tmp_path / "pkl" / "encoder.pkl")
-    torch.save(dec, tmp_path / "pkl" / "decoder.pkl")
+    torch.save(dec, tmp_path / "pkl" / "decoder.pkl", _use_new_zipfile_serialization=False)  # torch < 1.6's format
     for name in ("dall_e", "dall_e.encoder", "dall_e.decoder", "dall_e.utils", "attr"):
         monkeypatch.setitem(sys.modules, name, None)
     vae, record = load_openai(str(tmp_path / "pkl"), image_size=32)
