@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pretrained_refs import (  # noqa: E402
+    FULL_SIZE,
     VQGAN_DDCONFIG,
     block_images,
     dall_e_models,
@@ -77,6 +78,18 @@ def main():
         "codes": codes,
         "decoded": decoded,
     }
+    # names and shapes of the released models' weights, so that full-size configs are checked too
+    with torch.device("meta"):
+        for name, (dd, n_embed, embed_dim) in FULL_SIZE.items():
+            model = taming_model(name == "gumbel_vqgan", n_embed, embed_dim, ddconfig=dd)
+            cases[name]["full_size"] = {
+                "ddconfig": dd,
+                "n_embed": n_embed,
+                "embed_dim": embed_dim,
+                "shapes": shapes_of(model),
+            }
+        enc, dec = dall_e_models(n_hid=256, n_blk_per_group=2, vocab_size=8192, n_init=128)
+        cases["openai"]["full_size"] = {"enc": shapes_of(enc), "dec": shapes_of(dec)}
     from importlib.metadata import version
 
     cases["produced_with"] = {

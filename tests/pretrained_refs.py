@@ -27,6 +27,11 @@ VQGAN_DDCONFIG = dict(
     attn_resolutions=[16],
     dropout=0.0,
 )
+# the released models' shapes: vqgan_imagenet_f16_16384 and vqgan_gumbel_f8_8192 (built on the meta device)
+F16_DDCONFIG = {**VQGAN_DDCONFIG, "z_channels": 256, "resolution": 256, "ch": 128, "ch_mult": [1, 1, 2, 2, 4]}
+F16_DDCONFIG["num_res_blocks"], F16_DDCONFIG["attn_resolutions"] = 2, [16]
+F8_DDCONFIG = {**F16_DDCONFIG, "ch_mult": [1, 1, 2, 4], "attn_resolutions": [32]}
+FULL_SIZE = {"vqgan": (F16_DDCONFIG, 16384, 256), "gumbel_vqgan": (F8_DDCONFIG, 8192, 256)}
 OPENAI_SIZES = dict(n_hid=64, n_blk_per_group=1, vocab_size=512, n_init=32)  # the package's minimum sizes
 
 

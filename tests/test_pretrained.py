@@ -114,6 +114,25 @@ def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
     torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
+def test_full_size_vqgans_have_the_upstream_weight_names_and_shapes(reference, tmp_path, kind):
+    full = reference[kind]["full_size"]
+    ckpt, config = write_vqgan(tmp_path, {}, full["ddconfig"], full["n_embed"], full["embed_dim"], kind != "vqgan")
+    cfg = read_vqgan_config(config)
+    assert cfg.fmap_size == (16 if kind == "vqgan" else 32) and cfg.gumbel == (kind != "vqgan")
+    with torch.device("meta"):
+        assert shapes_of(VQGAN(cfg)) == full["shapes"]
+
+
+def test_full_size_openai_dvae_has_the_upstream_weight_names_and_shapes(reference):
+    from dalle_pytorch.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
+
+    full = reference["openai"]["full_size"]
+    with torch.device("meta"):
+        vae = OpenAIDiscreteVAE(OpenAIDVAEConfig())  # the defaults are the released model's sizes
+    assert shapes_of(vae.enc) == full["enc"] and shapes_of(vae.dec) == full["dec"] and vae.fmap_size == 32
+
+
 @pytest.mark.parametrize("gumbel", [False, True], ids=["VQModel", "GumbelVQ"])
 def test_vqgan_matches_taming_live(tmp_path, gumbel):
     try:
