@@ -102,6 +102,8 @@ def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
     codes = vae.get_codebook_indices(case["images"])
     assert torch.equal(codes, case["codes"])
     torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
+    torch.save(weights, tmp_path / "plain.pt")  # a plain state dict, extracted from the checkpoint, reads too
+    assert load_vqgan(str(tmp_path / "plain.pt"), config)[1]["fingerprint"] == record["fingerprint"]
 
 
 def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
