@@ -5,8 +5,7 @@
 
 Reads the checkpoint's weights without a process group and without DeepSpeed's helper scripts: the torch
 and Horovod backends' DCP shards through torch.distributed.checkpoint, DeepSpeed's ZeRO shards through
-deepspeed.utils.zero_to_fp32. The model config, the VAE (or the record of a pretrained image tokenizer) and
-the tokenizer come from the run's config.json.
+deepspeed.utils.zero_to_fp32. The model config, the VAE and the tokenizer come from the run's config.json.
 """
 
 from __future__ import annotations
