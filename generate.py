@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num_init_img_tokens", type=int, default=0, help="image tokens taken from --img (default: a quarter)"
     )
+    p.add_argument(
+        "--vqgan_model_path", default="", help="where the VQGAN the DALLE was trained with is now (if it moved)"
+    )
+    p.add_argument(
+        "--openai_vae_path", default="", help="where the OpenAI dVAE the DALLE was trained with is now (if it moved)"
+    )
     p.add_argument("--outputs_dir", default="outputs", help="where the prompt folders go")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole prefix every token (slow; for checks)")
@@ -80,7 +86,7 @@ def _generate(args):
     if args.num_images < 1 or args.batch_size < 1:
         raise ValueError("--num_images and --batch_size must be at least 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dalle, vae, tokenizer = load_dalle(args.dalle_path, device)
+    dalle, vae, tokenizer = load_dalle(args.dalle_path, device, args.vqgan_model_path, args.openai_vae_path)
     cfg = dalle.cfg
     prime = None
     if args.img:

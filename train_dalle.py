@@ -2,10 +2,14 @@
 
     python train_dalle.py --vae_path runs/vae/vae.pt                        # the built-in synthetic dataset
     python train_dalle.py --vae_path vae.pt --image_text_folder DIR         # x.jpg beside x.txt, nested
+    python train_dalle.py --taming --vqgan_model_path last.ckpt --vqgan_config_path model.yaml --image_text_folder DIR
+    python train_dalle.py --openai_vae_path DIR_WITH_ENCODER_AND_DECODER --image_text_folder DIR
     torchrun --nproc_per_node 2 train_dalle.py --vae_path vae.pt --image_text_folder DIR
 
 Writes runs/dalle/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/, the tokenizer) and the
-export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs nothing else.
+export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs nothing else. A pretrained
+tokenizer (--taming, --openai_vae_path) is not copied into the export: it records the files, their config
+and a fingerprint of their weights, and generate.py reads the files again.
 """
 
 from __future__ import annotations
@@ -34,7 +38,16 @@ DEFAULT_SAMPLE_CAPTIONS = [
 
 @dataclass
 class DALLERunConfig:
-    vae_path: str = flag("", "VAE export written by train_vae.py (required)")
+    vae_path: str = flag(
+        "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
+    )
+    taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
+    vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
+    vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
+    openai_vae_path: str = flag("", "a folder with OpenAI's dVAE: encoder.pkl + decoder.pkl, or their state dicts .pt")
+    pretrained_image_size: int = flag(
+        0, "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE)"
+    )
     image_text_folder: str = flag(
         "", "folder of x.jpg + x.txt pairs, or WebDataset shard URLs with --wds; empty: the built-in synthetic dataset"
     )
@@ -96,7 +109,30 @@ def vae_fingerprint(export: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_same_vae(run_dir: str, vae_id: str, vae_path: str) -> None:
+def image_tokenizer(run_cfg: DALLERunConfig):
+    """(tokenizer, export): our VAE's export, or the record of a pretrained VQGAN / OpenAI dVAE."""
+    from dalle_pytorch.pretrained import load_image_tokenizer
+
+    return load_image_tokenizer(
+        run_cfg.vae_path,
+        run_cfg.taming,
+        run_cfg.vqgan_model_path,
+        run_cfg.vqgan_config_path,
+        run_cfg.openai_vae_path,
+        run_cfg.pretrained_image_size,
+    )
+
+
+def tokenizer_flag(run_cfg: DALLERunConfig) -> str:
+    """The flags that chose the image tokenizer, for messages."""
+    if run_cfg.taming:
+        return f"--taming --vqgan_model_path {run_cfg.vqgan_model_path}"
+    if run_cfg.openai_vae_path:
+        return f"--openai_vae_path {run_cfg.openai_vae_path}"
+    return f"--vae_path {run_cfg.vae_path}"
+
+
+def _check_same_vae(run_dir: str, vae_id: str, vae_flag: str) -> None:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         return
@@ -104,7 +140,7 @@ def _check_same_vae(run_dir: str, vae_id: str, vae_path: str) -> None:
         recorded = json.load(f).get("vae_fingerprint")
     if recorded and recorded != vae_id:
         raise ValueError(
-            f"--vae_path {vae_path} is not the VAE this run was trained with (fingerprint {vae_id}, the run "
+            f"{vae_flag} is not the VAE this run was trained with (fingerprint {vae_id}, the run "
             f"recorded {recorded}): pass the original VAE, or start a new run with another --name"
         )
 
@@ -136,14 +172,11 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
     from dalle_pytorch.data import CaptionFolder
     from dalle_pytorch.loop import train
     from dalle_pytorch.shapes import ShapesDataset
-    from dalle_pytorch.vae_task import load_vae
 
-    if not run_cfg.vae_path:
-        raise ValueError("--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt")
-    vae, vae_export = load_vae(run_cfg.vae_path)
-    vae_id = vae_fingerprint(vae_export)
+    vae, vae_export = image_tokenizer(run_cfg)
+    vae_id = vae_export["fingerprint"] if "fingerprint" in vae_export else vae_fingerprint(vae_export)
     if cfg.resume:
-        _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, run_cfg.vae_path)
+        _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(run_cfg))
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     with distributed_run(cfg, "dalle", configs) as (backend, run):
         if run_cfg.wds:
@@ -178,7 +211,7 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
         run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
         n_params = sum(p.numel() for p in dalle.parameters())
-        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, VAE {run_cfg.vae_path}")
+        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(run_cfg)}")
         task = DALLETask(
             dalle,
             vae,

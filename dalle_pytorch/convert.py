@@ -48,11 +48,18 @@ def convert(ckpt_dir: str, out: str) -> str:
     if "vae" in config:  # a train_vae.py run
         save_export(out, "vae", config["model"], weights)
         return out
+    from .pretrained import load_image_tokenizer
     from .tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer
-    from .vae_task import load_vae
 
     run = config["dalle"]
-    _, vae_export = load_vae(run["vae_path"])
+    _, vae_export = load_image_tokenizer(
+        run["vae_path"],
+        run.get("taming", False),
+        run.get("vqgan_model_path", ""),
+        run.get("vqgan_config_path", ""),
+        run.get("openai_vae_path", ""),
+        run.get("pretrained_image_size", 0),
+    )
     if run["bpe_path"]:
         tokenizer = (HugTokenizer if run["hug"] else YttmTokenizer).from_file(run["bpe_path"])
     elif run["tokenizer"] == "byte":

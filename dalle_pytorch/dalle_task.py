@@ -152,10 +152,18 @@ class DALLETask:
         )
 
 
-def load_dalle(path: str, device="cpu"):
-    """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`."""
+def load_dalle(path: str, device="cpu", vqgan_model_path: str = "", openai_vae_path: str = ""):
+    """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`. A pretrained image tokenizer is
+    read again from the files the export records, or from the given paths if they moved."""
     obj = load_export(path, "dalle")
     dalle = DALLE(DALLEConfig(**obj["config"]))
     dalle.load_state_dict(obj["weights"])
-    vae = vae_from_export(obj["vae"])
+    if obj["vae"]["kind"] == "vae":  # our own VAE, stored in the export
+        if vqgan_model_path or openai_vae_path:
+            raise ValueError(f"{path} holds its own VAE: --vqgan_model_path and --openai_vae_path do not apply")
+        vae = vae_from_export(obj["vae"])
+    else:
+        from .pretrained import tokenizer_from_record
+
+        vae = tokenizer_from_record(obj["vae"], vqgan_model_path, openai_vae_path)
     return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])

@@ -9,6 +9,8 @@ VENV=.venv
 CACHE=${DALLE_CACHE:-$HOME/.cache/dalle-pytorch}
 HOROVOD_VERSION=0.28.1
 YTTM_VERSION=1.0.6
+TAMING_VERSION=0.0.6
+DALL_E_VERSION=0.1
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 step() { echo "==> [install] $*"; }
@@ -66,6 +68,15 @@ if ! "$VPY" -c "import deepspeed, webdataset, einops, tokenizers, tqdm, safetens
   export DS_BUILD_OPS=0
   "$PIP" install -q -r requirements.txt
   touch "$VENV/.requirements-installed"
+fi
+
+CURRENT_STEP="reference tokenizers for tests/test_pretrained.py (taming-transformers, DALL-E)"
+HINT="pip install --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; the tests fall back to a fixture without them"
+# Without their dependencies: taming's pull an old pytorch-lightning and omegaconf, DALL-E's mypy and blobfile;
+# the tests import only the model code (see tests/pretrained_refs.py). The project itself never imports them.
+if ! have taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; then
+  step "$CURRENT_STEP"
+  "$PIP" install -q --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION
 fi
 
 CURRENT_STEP="horovod $HOROVOD_VERSION (built from source with Gloo, CPU-only)"

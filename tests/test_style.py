@@ -4,7 +4,13 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = ["dalle_pytorch/vae.py", "dalle_pytorch/dalle.py", "dalle_pytorch/transformer.py"]
+MODELS = [
+    "dalle_pytorch/vae.py",
+    "dalle_pytorch/dalle.py",
+    "dalle_pytorch/transformer.py",
+    "dalle_pytorch/vqgan.py",
+    "dalle_pytorch/openai_dvae.py",
+]
 FORBIDDEN = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
 
 

@@ -1,0 +1,304 @@
+"""Pretrained image tokenizers: our VQGAN / Gumbel-VQ / OpenAI dVAE against the upstream code, loading
+from Lightning checkpoints and pickled modules without running their code, and DALLE end to end.
+
+Each equivalence is checked twice: against tests/fixtures/pretrained_reference.pt (written from the
+upstream packages by tests/make_pretrained_fixture.py; always runs), and live against the upstream packages
+when they are installed (`make install` installs them; see tests/pretrained_refs.py for how they import).
+"""
+
+import os
+import pickle
+import shutil
+import sys
+
+import pytest
+import torch
+import yaml
+from helpers import TINY_DALLE_MODEL
+from pretrained_refs import (
+    VQGAN_DDCONFIG,
+    block_images,
+    dall_e_models,
+    dall_e_tokenize,
+    random_weights,
+    shapes_of,
+    taming_model,
+    taming_tokenize,
+)
+
+from dalle_pytorch.inert_pickle import load_untrusted
+from dalle_pytorch.pretrained import load_openai, load_vqgan, read_vqgan_config, vqgan_weights
+from dalle_pytorch.vqgan import VQGAN, VQGANConfig
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "pretrained_reference.pt")
+
+
+class CheckpointCallback:  # stands for Lightning's callbacks: classes weights_only refuses
+    def __init__(self):
+        self.best_model_score = torch.tensor(0.25)
+
+
+class HParams(dict):
+    pass
+
+
+def write_vqgan(tmp_path, weights, ddconfig, n_embed, embed_dim, gumbel, name="vqgan"):
+    """A taming-style model.yaml and a Lightning-style last.ckpt with loss.* weights and pickled classes."""
+    target = "taming.models.vqgan." + ("GumbelVQ" if gumbel else "VQModel")
+    lossconfig = {"target": "taming.modules.losses.vqperceptual.VQLPIPSWithDiscriminator", "params": {"disc_start": 1}}
+    params = {"embed_dim": embed_dim, "n_embed": n_embed, "ddconfig": dict(ddconfig), "lossconfig": lossconfig}
+    config = {"model": {"base_learning_rate": 4.5e-6, "target": target, "params": params}}
+    os.makedirs(tmp_path / name, exist_ok=True)
+    config_path, ckpt_path = tmp_path / name / "model.yaml", tmp_path / name / "last.ckpt"
+    config_path.write_text(yaml.safe_dump(config))
+    state = {**weights, "loss.discriminator.main.0.weight": torch.randn(8, 3, 4, 4), "loss.logvar": torch.zeros(())}
+    ckpt = {
+        "epoch": 3,
+        "global_step": 1000,
+        "state_dict": state,
+        "callbacks": {CheckpointCallback: CheckpointCallback()},
+        "hyper_parameters": HParams(lr=1e-4),
+    }
+    torch.save(ckpt, ckpt_path)
+    with pytest.raises(pickle.UnpicklingError):  # so the loader's no-code path is what gets tested
+        torch.load(ckpt_path, weights_only=True)
+    return str(ckpt_path), str(config_path)
+
+
+def write_openai(tmp_path, enc_weights, dec_weights, name="openai"):
+    os.makedirs(tmp_path / name, exist_ok=True)
+    torch.save(enc_weights, tmp_path / name / "encoder.pt")
+    torch.save(dec_weights, tmp_path / name / "decoder.pt")
+    return str(tmp_path / name)
+
+
+def split(weights):
+    return (
+        {k[4:]: v for k, v in weights.items() if k.startswith("enc.")},
+        {k[4:]: v for k, v in weights.items() if k.startswith("dec.")},
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return torch.load(FIXTURE, weights_only=True)
+
+
+def _regenerate(case):
+    from make_pretrained_fixture import weights_hash
+
+    weights = random_weights({k: tuple(v) for k, v in case["shapes"].items()}, case["seed"])
+    assert weights_hash(weights) == case["weights_sha1"], "torch's RNG changed: rerun tests/make_pretrained_fixture.py"
+    return weights
+
+
+@pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
+def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
+    case = reference[kind]
+    weights = _regenerate(case)
+    ckpt, config = write_vqgan(tmp_path, weights, case["ddconfig"], case["n_embed"], case["embed_dim"], kind != "vqgan")
+    vae, record = load_vqgan(ckpt, config)
+    assert record["kind"] == kind and vae.fmap_size == 8 and vae.num_tokens == 64 and vae.image_size == 16
+    codes = vae.get_codebook_indices(case["images"])
+    assert torch.equal(codes, case["codes"])
+    torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
+    torch.save(weights, tmp_path / "plain.pt")  # a plain state dict, extracted from the checkpoint, reads too
+    assert load_vqgan(str(tmp_path / "plain.pt"), config)[1]["fingerprint"] == record["fingerprint"]
+
+
+def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
+    case = reference["openai"]
+    directory = write_openai(tmp_path, *split(_regenerate(case)))
+    vae, record = load_openai(directory, image_size=16)
+    assert record["kind"] == "openai" and vae.fmap_size == 2 and vae.num_tokens == 512
+    codes = vae.get_codebook_indices(case["images"])
+    assert torch.equal(codes, case["codes"])
+    torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
+def test_full_size_vqgans_have_the_upstream_weight_names_and_shapes(reference, tmp_path, kind):
+    full = reference[kind]["full_size"]
+    ckpt, config = write_vqgan(tmp_path, {}, full["ddconfig"], full["n_embed"], full["embed_dim"], kind != "vqgan")
+    cfg = read_vqgan_config(config)
+    assert cfg.fmap_size == (16 if kind == "vqgan" else 32) and cfg.gumbel == (kind != "vqgan")
+    with torch.device("meta"):
+        assert shapes_of(VQGAN(cfg)) == full["shapes"]
+
+
+def test_full_size_openai_dvae_has_the_upstream_weight_names_and_shapes(reference):
+    from dalle_pytorch.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
+
+    full = reference["openai"]["full_size"]
+    with torch.device("meta"):
+        vae = OpenAIDiscreteVAE(OpenAIDVAEConfig())  # the defaults are the released model's sizes
+    assert shapes_of(vae.enc) == full["enc"] and shapes_of(vae.dec) == full["dec"] and vae.fmap_size == 32
+
+
+@pytest.mark.parametrize("gumbel", [False, True], ids=["VQModel", "GumbelVQ"])
+def test_vqgan_matches_taming_live(tmp_path, gumbel):
+    try:
+        model = taming_model(gumbel)
+    except ImportError as e:
+        pytest.skip(f"taming-transformers is not installed ({e}); the fixture test still ran")
+    weights = random_weights(shapes_of(model), seed=10 + int(gumbel))
+    model.load_state_dict(weights)
+    images = block_images(3, 32, seed=int(gumbel))
+    ref_codes, ref_images = taming_tokenize(model, images, gumbel)
+    ckpt, config = write_vqgan(tmp_path, weights, VQGAN_DDCONFIG, 64, 32, gumbel)
+    vae, _ = load_vqgan(ckpt, config)
+    codes = vae.get_codebook_indices(images)
+    assert codes.unique().numel() > 8  # the comparison means something
+    assert torch.equal(codes, ref_codes)
+    torch.testing.assert_close(vae.decode(codes), ref_images, atol=1e-5, rtol=0)
+
+
+def test_openai_matches_dall_e_live(tmp_path, monkeypatch):
+    try:
+        enc, dec = dall_e_models()
+    except ImportError as e:
+        pytest.skip(f"DALL-E is not installed ({e}); the fixture test still ran")
+    enc.load_state_dict(random_weights(shapes_of(enc), seed=20))
+    dec.load_state_dict(random_weights(shapes_of(dec), seed=21))
+    images = block_images(4, 32, seed=3)
+    ref_codes, ref_images = dall_e_tokenize(enc, dec, images)
+    # OpenAI's released files are whole pickled modules; read them with the dall_e package unimportable
+    os.makedirs(tmp_path / "pkl")
+    torch.save(enc, tmp_path / "pkl" / "encoder.pkl")
+    torch.save(dec, tmp_path / "pkl" / "decoder.pkl", _use_new_zipfile_serialization=False)  # torch < 1.6's format
+    for name in ("dall_e", "dall_e.encoder", "dall_e.decoder", "dall_e.utils", "attr"):
+        monkeypatch.setitem(sys.modules, name, None)
+    vae, record = load_openai(str(tmp_path / "pkl"), image_size=32)
+    codes = vae.get_codebook_indices(images)
+    assert torch.equal(codes, ref_codes)
+    torch.testing.assert_close(vae.decode(codes), ref_images, atol=1e-5, rtol=0)
+    # their state dicts give the same tokenizer and the same fingerprint
+    _, from_state_dicts = load_openai(write_openai(tmp_path, enc.state_dict(), dec.state_dict()), image_size=32)
+    assert from_state_dicts["fingerprint"] == record["fingerprint"]
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/dalle_pretrained_pwned",))
+
+
+def test_pickled_code_is_never_run(tmp_path):
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": Evil()}, path, pickle_module=pickle)
+    obj = load_untrusted(str(path), "--vqgan_model_path")
+    assert "placeholder for posix.system" in repr(obj["state_dict"]) or "os.system" in repr(obj["state_dict"])
+    with pytest.raises(ValueError, match="holds no state dict"):
+        vqgan_weights(str(path))
+    assert not os.path.exists("/tmp/dalle_pretrained_pwned")
+
+
+def test_config_and_weight_errors_say_what_is_wrong(tmp_path):
+    model = VQGAN(VQGANConfig(**{k: v for k, v in VQGAN_DDCONFIG.items() if k != "dropout"}, n_embed=64, embed_dim=32))
+    weights = random_weights(shapes_of(model), 0)
+    ckpt, config = write_vqgan(tmp_path, weights, VQGAN_DDCONFIG, 64, 32, gumbel=False)
+    with pytest.raises(ValueError, match="does not match its config"):
+        load_vqgan(ckpt, write_vqgan(tmp_path, weights, VQGAN_DDCONFIG, 128, 32, False, "other")[1])
+    with pytest.raises(ValueError, match="does not match its config"):  # VQModel weights, GumbelVQ config
+        load_vqgan(ckpt, write_vqgan(tmp_path, weights, VQGAN_DDCONFIG, 64, 32, True, "gumbel")[1])
+    data = yaml.safe_load(open(config))
+    data["model"]["target"] = "taming.models.vqgan.EMAVQ"
+    (tmp_path / "ema.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="EMAVQ is not supported"):
+        read_vqgan_config(str(tmp_path / "ema.yaml"))
+    with pytest.raises(FileNotFoundError, match="--vqgan_model_path .* does not exist"):
+        load_vqgan(str(tmp_path / "missing.ckpt"), config)
+    with pytest.raises(FileNotFoundError, match="no encoder.pkl"):
+        load_openai(str(tmp_path))
+
+
+# --------------------------------------------------------------------------------------------- end to end
+
+TRAIN = [*TINY_DALLE_MODEL, "--batch_size", "4", "--num_workers", "0", "--quiet", "--dataset_size", "16"]
+TRAIN += ["--log_every", "1", "--sample_every", "2", "--save_every_n_steps", "0", "--steps", "2"]
+
+
+def tiny_vqgan_files(tmp_path, seed=0, name="vqgan"):
+    dd = {**VQGAN_DDCONFIG, "resolution": 16, "attn_resolutions": [8]}
+    model = VQGAN(VQGANConfig(**{k: v for k, v in dd.items() if k != "dropout"}, n_embed=32, embed_dim=32))
+    return write_vqgan(tmp_path, random_weights(shapes_of(model), seed), dd, 32, 32, gumbel=False, name=name)
+
+
+def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
+    from PIL import Image
+
+    import generate
+    import train_dalle
+
+    ckpt, config = tiny_vqgan_files(tmp_path)
+    out = str(tmp_path / "runs")
+    export = train_dalle.main(
+        [*TRAIN, "--taming", "--vqgan_model_path", ckpt, "--vqgan_config_path", config, "--output_dir", out]
+    )
+    record = torch.load(export, weights_only=True)["vae"]
+    assert record["kind"] == "vqgan" and "weights" not in record and record["image_size"] == 16
+    assert os.path.exists(os.path.join(out, "dalle", "samples", "step-00000002.png"))
+    gen = ["--dalle_path", export, "--text", "a red circle", "--num_images", "2", "--quiet", "--device", "cpu"]
+    (folder,) = generate.main([*gen, "--outputs_dir", str(tmp_path / "out")])
+    assert Image.open(os.path.join(folder, "0000.png")).size == (16, 16)
+
+    moved = str(tmp_path / "moved.ckpt")
+    shutil.move(ckpt, moved)
+    with pytest.raises(SystemExit):
+        generate.main([*gen, "--outputs_dir", str(tmp_path / "out2")])
+    err = capsys.readouterr().err
+    assert "which does not exist here: pass its new location with --vqgan_model_path" in err
+    assert generate.main([*gen, "--outputs_dir", str(tmp_path / "out3"), "--vqgan_model_path", moved])
+    other, _ = tiny_vqgan_files(tmp_path, seed=1, name="other")
+    with pytest.raises(SystemExit):
+        generate.main([*gen, "--outputs_dir", str(tmp_path / "out4"), "--vqgan_model_path", other])
+    assert "holds other weights than the vqgan tokenizer this DALLE was trained with" in capsys.readouterr().err
+    # resuming with another VQGAN is refused; a resume checkpoint converts to an export with the same record
+    with pytest.raises(SystemExit):
+        train_dalle.main(
+            [*TRAIN, "--taming", "--vqgan_model_path", other, "--vqgan_config_path", config, "--output_dir", out]
+            + ["--resume", "auto"]
+        )
+    assert "is not the VAE this run was trained with" in capsys.readouterr().err
+    shutil.move(moved, ckpt)
+    from dalle_pytorch.checkpoints import step_dirs
+    from dalle_pytorch.convert import convert
+
+    converted = convert(step_dirs(os.path.join(out, "dalle", "checkpoints"))[0], str(tmp_path / "converted.pt"))
+    assert torch.load(converted, weights_only=True)["vae"] == record
+
+
+def test_train_and_generate_with_openai_dvae(tmp_path):
+    import generate
+    import train_dalle
+    from dalle_pytorch.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
+
+    vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(n_hid=16, n_blk_per_group=1, vocab_size=64, n_init=8), 16)
+    directory = write_openai(tmp_path, vae.enc.state_dict(), vae.dec.state_dict())
+    out = str(tmp_path / "runs")
+    export = train_dalle.main(
+        [*TRAIN, "--openai_vae_path", directory, "--pretrained_image_size", "16", "--output_dir", out]
+    )
+    record = torch.load(export, weights_only=True)["vae"]
+    assert record["kind"] == "openai" and record["config"]["vocab_size"] == 64
+    gen = ["--dalle_path", export, "--text", "a blue square", "--num_images", "1", "--quiet", "--device", "cpu"]
+    (folder,) = generate.main([*gen, "--outputs_dir", str(tmp_path / "out")])
+    assert os.path.exists(os.path.join(folder, "0000.png"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--vae_path", "vae.pt", "--openai_vae_path", "dir"], "--vae_path and --openai_vae_path each choose"),
+        (["--taming"], "--taming needs --vqgan_model_path"),
+        (["--vqgan_model_path", "m.ckpt"], "add --taming"),
+        (["--vae_path", "vae.pt", "--pretrained_image_size", "64"], "--pretrained_image_size is for"),
+        ([], "--vae_path is required"),
+    ],
+)
+def test_tokenizer_flag_errors_are_one_line(tmp_path, capsys, flags, message):
+    import train_dalle
+
+    with pytest.raises(SystemExit):
+        train_dalle.main([*flags, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
