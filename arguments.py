@@ -61,6 +61,9 @@ class TrainConfig:
     min_loss_scale: float = flag(1.0, "fp16: the loss scale never drops below this")
     # Horovod
     horovod_compression: str = flag("none", "Horovod gradient compression for the allreduce", choices=("none", "fp16"))
+    commit_every: int = flag(
+        10, "Horovod elastic: steps between in-memory state commits; a lost worker costs at most this many steps"
+    )
     # outputs
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")

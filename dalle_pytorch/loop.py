@@ -37,8 +37,10 @@ class Task(Protocol):
 class ShardedSampler(torch.utils.data.Sampler):
     """Disjoint per-rank shards of a seeded per-epoch permutation, resumable at any position.
 
-    Like DistributedSampler with drop_last, plus `start` so that a resumed run continues exactly where
-    the interrupted one was instead of replaying the epoch.
+    Like DistributedSampler with drop_last, plus a start position so that a resumed run continues exactly
+    where the interrupted one was instead of replaying the epoch. Rank r takes every world_size-th sample,
+    so the samples all ranks have consumed are a prefix of the permutation: the position is one number,
+    valid at any world size (a resume on more or fewer ranks, an elastic Horovod run losing a worker).
     """
 
     def __init__(self, length: int, rank: int, world_size: int, seed: int, batch_size: int):
@@ -49,23 +51,26 @@ class ShardedSampler(torch.utils.data.Sampler):
                 "lower --batch_size or add data"
             )
         self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
-        self.epoch, self.start = 0, 0
+        self.batch_size = batch_size
+        self.epoch, self.consumed = 0, 0
 
     @staticmethod
     def shard_size(length: int, world_size: int, batch_size: int) -> int:
         """Samples per rank per epoch: an equal share, cut to whole batches."""
         return (length // world_size) // batch_size * batch_size
 
-    def set_position(self, epoch: int, start: int) -> None:
-        self.epoch, self.start = epoch, start
+    def set_position(self, epoch: int, consumed: int) -> None:
+        """`consumed`: samples of the epoch's permutation already trained on, by all ranks together."""
+        self.epoch, self.consumed = epoch, consumed
+
+    def __len__(self) -> int:
+        left = max(self.per_rank * self.world_size - self.consumed, 0)
+        return left // self.world_size // self.batch_size * self.batch_size
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(self.length, generator=g)[: self.per_rank * self.world_size]
-        return iter(perm[self.rank :: self.world_size][self.start :].tolist())
-
-    def __len__(self) -> int:
-        return self.per_rank - self.start
+        return iter(perm[self.consumed :][self.rank :: self.world_size][: len(self)].tolist())
 
 
 def total_steps(cfg, dataset_len: int | None, world_size: int) -> int:
@@ -91,33 +96,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 class Position:
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    samples_in_epoch: int = 0  # samples of this epoch already consumed, by all ranks together
 
 
 def train(task: Task, cfg, backend, run: RunDir) -> Position:
     """Train `task` with `backend` as `cfg` says; returns where training stopped."""
+    # per-rank batch and accumulation stay fixed for the run; an elastic Horovod run that loses or gains
+    # workers changes the global batch with them (and says so), it rescales nothing silently
     accum = cfg.accumulation_steps(backend.world_size)
     streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)  # shards split per rank by the dataset
     if streamed and not cfg.steps:
         raise ValueError("streamed WebDataset shards have no known length: set --steps")
-    sampler = (
-        None
-        if streamed
-        else ShardedSampler(len(task.dataset), backend.rank, backend.world_size, cfg.seed, cfg.batch_size)
-    )
-    loader = torch.utils.data.DataLoader(
-        task.dataset,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        num_workers=cfg.num_workers,
-        pin_memory=backend.device.type == "cuda",
-        drop_last=True,
-        persistent_workers=False,
-        # its own generator: creating an iterator must not consume the global RNG, or a resumed run's
-        # random stream (Gumbel noise, dropout) would drift from the uninterrupted one
-        generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
-        multiprocessing_context="fork" if cfg.num_workers > 0 else None,
-    )
     total = total_steps(cfg, None if streamed else len(task.dataset), backend.world_size)
 
     def make_optimizer(model):  # built by the backend after wrapping: sharding replaces the parameters
@@ -147,106 +136,136 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
         if cfg.resume and cfg.resume != "auto":
             raise ValueError(f"--resume {cfg.resume}: the checkpoint could not be loaded (see above)")
 
-    global_batch = cfg.batch_size * backend.world_size * accum
-    run.print(
-        f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
-        f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
-    )
-
     # SIGTERM (a preempted node): finish the current step, save, exit.
     stop = {"now": False}
     old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
 
-    def batches():
-        while True:
-            skip = 0
-            if sampler is not None:  # resumes exactly at the next unseen sample
-                sampler.set_position(pos.epoch, pos.batch_in_epoch * cfg.batch_size)
-            else:  # a stream is replayed to the resume position (same shard order and shuffle seeds)
-                task.dataset.set_epoch(pos.epoch)
-                skip = pos.batch_in_epoch
-            for i, batch in enumerate(loader):
-                if i < skip:
-                    continue
-                pos.batch_in_epoch += 1
-                yield batch
-            if pos.batch_in_epoch == 0:
-                raise ValueError("the data yielded no batch: check the dataset and --batch_size")
-            pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+    def run_from(pos: Position) -> Position:
+        """The steps from `pos` to the end. What depends on the rank and world size is built here, so an
+        elastic backend can call it again, on the position it rolled back to, after workers came or went."""
+        sampler, loader = _loader(task, cfg, backend, streamed)
+        global_batch = cfg.batch_size * backend.world_size * accum
+        run.print(
+            f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
+            f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
+        )
 
-    data = batches()
-    bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
-    sums: dict[str, torch.Tensor] = {}
-    count, t0, samples_seen = 0, time.perf_counter(), 0
-    model.train()
-    if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
-        save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
-    while pos.step < total:
-        for micro in range(accum):
-            batch = task.prepare_batch(next(data), backend.device)
-            with backend.accumulate(model, sync=micro == accum - 1):
-                with backend.autocast():
-                    loss, metrics = task.loss(model, batch, pos.step)
-                backend.backward(loss)
-            for k, v in {"loss": loss.detach(), **metrics}.items():
-                sums[k] = sums.get(k, 0) + v.float()
-            count += 1
-        grad_norm, skipped = backend.step()
-        pos.step += 1
-        samples_seen += global_batch
-        if bar is not None:
-            bar.update(1)
+        def batches():
+            while True:
+                skip = 0
+                if sampler is not None:  # resumes exactly at the next unseen sample
+                    sampler.set_position(pos.epoch, pos.samples_in_epoch)
+                else:  # a stream is replayed to the resume position (same shard order and shuffle seeds)
+                    task.dataset.set_epoch(pos.epoch)
+                    skip = pos.samples_in_epoch // (cfg.batch_size * backend.world_size)
+                for i, batch in enumerate(loader):
+                    if i < skip:
+                        continue
+                    pos.samples_in_epoch += cfg.batch_size * backend.world_size
+                    yield batch
+                if pos.samples_in_epoch == 0:
+                    raise ValueError("the data yielded no batch: check the dataset and --batch_size")
+                pos.epoch, pos.samples_in_epoch = pos.epoch + 1, 0
 
-        if pos.step % cfg.log_every == 0 or pos.step == total:
-            names = sorted(sums)
-            # one collective for all metrics; the only host sync of the step, and only when logging
-            means = backend.all_reduce(torch.stack([sums[k] / count for k in names]).to(backend.device)).tolist()
-            elapsed = time.perf_counter() - t0
-            row = dict(zip(names, means))
-            row.update(
-                lr=scheduler.get_last_lr()[0],
-                grad_norm=float(grad_norm),
-                skipped=bool(skipped),
-                loss_scale=backend.loss_scale(),
-                epoch=pos.epoch,
-                images_per_s=samples_seen / elapsed,
-                **task.window_metrics(),
-            )
-            # every rank's peak memory, one slot each, summed: the per-rank view for imbalance and OOM hunting
-            memory = torch.zeros(backend.world_size, device=backend.device)
-            memory[backend.rank] = peak_memory_mb(backend.device)
-            row["memory_mb_per_rank"] = [round(m) for m in backend.all_reduce(memory, op="sum").tolist()]
-            row["images_per_s_per_rank"] = row["images_per_s"] / backend.world_size
-            row["tokens_per_s"] = row["images_per_s"] * getattr(task, "tokens_per_sample", 0)
-            run.log_metrics(pos.step, row)
+        data = batches()
+        bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
+        sums: dict[str, torch.Tensor] = {}
+        count, t0, samples_seen = 0, time.perf_counter(), 0
+        model.train()
+        if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
+            save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+        while pos.step < total:
+            for micro in range(accum):
+                batch = task.prepare_batch(next(data), backend.device)
+                with backend.accumulate(model, sync=micro == accum - 1):
+                    with backend.autocast():
+                        loss, metrics = task.loss(model, batch, pos.step)
+                    backend.backward(loss)
+                for k, v in {"loss": loss.detach(), **metrics}.items():
+                    sums[k] = sums.get(k, 0) + v.float()
+                count += 1
+            grad_norm, skipped = backend.step()
+            pos.step += 1
+            samples_seen += global_batch
             if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.4f}", img_s=f"{row['images_per_s']:.0f}")
-            elif not cfg.quiet:
-                run.print(f"step {pos.step}/{total} " + " ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
-            if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
-                raise FloatingPointError(
-                    f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
-                )
-            sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
+                bar.update(1)
 
-        if cfg.sample_every and pos.step % cfg.sample_every == 0:
-            _samples(task, model, backend, pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png"))
-        stopping = False
-        if pos.step % cfg.log_every == 0:  # checked with the logging sync, not every step
-            flag = torch.tensor(float(stop["now"]), device=backend.device)
-            stopping = bool(backend.all_reduce(flag, op="sum") > 0)
-        at_save = cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0
-        if at_save or stopping or pos.step == total:
-            save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
-            _export(task, model, backend)
-        if stopping:
-            run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
-            break
-    if bar is not None:
-        bar.close()
+            if pos.step % cfg.log_every == 0 or pos.step == total:
+                names = sorted(sums)
+                # one collective for all metrics; the only host sync of the step, and only when logging
+                means = backend.all_reduce(torch.stack([sums[k] / count for k in names]).to(backend.device)).tolist()
+                elapsed = time.perf_counter() - t0
+                row = dict(zip(names, means))
+                row.update(
+                    lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm),
+                    skipped=bool(skipped),
+                    loss_scale=backend.loss_scale(),
+                    epoch=pos.epoch,
+                    images_per_s=samples_seen / elapsed,
+                    **task.window_metrics(),
+                )
+                # every rank's peak memory, one slot each, summed: the per-rank view for imbalance and OOM hunting
+                memory = torch.zeros(backend.world_size, device=backend.device)
+                memory[backend.rank] = peak_memory_mb(backend.device)
+                row["memory_mb_per_rank"] = [round(m) for m in backend.all_reduce(memory, op="sum").tolist()]
+                row["images_per_s_per_rank"] = row["images_per_s"] / backend.world_size
+                row["tokens_per_s"] = row["images_per_s"] * getattr(task, "tokens_per_sample", 0)
+                run.log_metrics(pos.step, row)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", img_s=f"{row['images_per_s']:.0f}")
+                elif not cfg.quiet:
+                    run.print(f"step {pos.step}/{total} " + " ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
+                if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
+                    raise FloatingPointError(
+                        f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
+                    )
+                sums, count, t0, samples_seen = {}, 0, time.perf_counter(), 0
+
+            if cfg.sample_every and pos.step % cfg.sample_every == 0:
+                _samples(task, model, backend, pos.step, os.path.join(run.samples, f"step-{pos.step:08d}.png"))
+            stopping = False
+            if pos.step % cfg.log_every == 0:  # checked with the logging sync, not every step
+                flag = torch.tensor(float(stop["now"]), device=backend.device)
+                stopping = bool(backend.all_reduce(flag, op="sum") > 0)
+            at_save = cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0
+            if at_save or stopping or pos.step == total:
+                save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+                _export(task, model, backend)
+            if stopping:
+                run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
+                break
+            backend.commit(pos)  # elastic backends: an in-memory copy to roll back to when a worker is lost
+        if bar is not None:
+            bar.close()
+        return pos
+
+    pos = backend.run(run_from, pos)
     signal.signal(signal.SIGTERM, old_handler)
     _samples(task, model, backend, pos.step, os.path.join(run.samples, "final.png"))
     return pos
+
+
+def _loader(task: Task, cfg, backend, streamed: bool):
+    sampler = (
+        None
+        if streamed
+        else ShardedSampler(len(task.dataset), backend.rank, backend.world_size, cfg.seed, cfg.batch_size)
+    )
+    loader = torch.utils.data.DataLoader(
+        task.dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=backend.device.type == "cuda",
+        drop_last=True,
+        persistent_workers=False,
+        # its own generator: creating an iterator must not consume the global RNG, or a resumed run's
+        # random stream (Gumbel noise, dropout) would drift from the uninterrupted one
+        generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
+        multiprocessing_context="fork" if cfg.num_workers > 0 else None,
+    )
+    return sampler, loader
 
 
 def _samples(task: Task, model, backend, step: int, path: str) -> None:

@@ -113,6 +113,15 @@ class Backend(ABC):
     def loss_scale(self) -> float:
         return 1.0
 
+    def run(self, steps, pos):
+        """Run `steps(pos)` (the loop from `pos` to the end) and return its final position. An elastic backend
+        calls it again after workers were lost or added, from the position of its last commit."""
+        return steps(pos)
+
+    def commit(self, pos) -> None:
+        """After each step: an elastic backend keeps an in-memory copy of the training state to roll back to."""
+        return None
+
     # ---------------------------------------------------------------- collectives (every rank calls them)
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:

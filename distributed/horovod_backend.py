@@ -7,6 +7,9 @@ with `backward_passes_per_step`, and the optimizer state saved is that of the ob
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import horovod.torch as hvd
 import torch
 
@@ -16,14 +19,43 @@ from .single import SingleBackend
 class HorovodBackend(SingleBackend):
     name = "horovod"
 
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun --min-np/--max-np
+        self._state = None
+
     def setup(self) -> None:
         if not hvd.is_initialized():
             hvd.init()
-        if hvd.size() != self.world_size or hvd.rank() != self.rank:
+        if self.elastic:  # ranks come from Horovod's rendezvous and change as workers come and go
+            self.refresh_topology()
+        elif hvd.size() != self.world_size or hvd.rank() != self.rank:
             raise RuntimeError(
                 f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}"
             )
         self.device = self._pick_device()
+
+    def refresh_topology(self) -> None:
+        self.topo = dataclasses.replace(
+            self.topo,
+            rank=hvd.rank(),
+            world_size=hvd.size(),
+            local_rank=hvd.local_rank(),
+            local_world_size=hvd.local_size(),
+            node_rank=hvd.cross_rank(),
+        )
+
+    def run(self, steps, pos):
+        if not self.elastic:
+            return steps(pos)
+        from .horovod_elastic import ElasticState
+
+        self._state = ElasticState(self, pos)
+        return hvd.elastic.run(lambda state: steps(state.pos))(self._state)
+
+    def commit(self, pos) -> None:
+        if self._state is not None and pos.step % self.options.commit_every == 0:
+            self._state.commit()  # raises HostsUpdatedInterrupt when workers are waiting to join
 
     def teardown(self) -> None:
         if hvd.is_initialized():

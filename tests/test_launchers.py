@@ -267,8 +267,10 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     fsdp = dalle_args(vae_path, str(tmp_path / "fsdp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*fsdp, "--distributed_backend", "fsdp"])
     restart_from_step_2(tmp_path / "fsdp" / "dalle", tmp_path / "one" / "dalle")
-    # one process takes the whole global batch of 8 from the sharded 2-rank checkpoint
-    train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
+    # one process accumulates 2 x 4 for the global batch of 8, from the sharded 2-rank checkpoint and
+    # from its data position (samples consumed by all ranks, not per-rank batches)
+    one = dalle_args(vae_path, str(tmp_path / "one"), 4, steps=4, extra=["--global_batch_size", "8"])
+    train_dalle.main([*one, "--resume", "auto"])
     assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
 
 

@@ -11,6 +11,7 @@ from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 import train_dalle
 import train_vae
 from dalle_pytorch.checkpoints import safe_load, step_dirs
+from dalle_pytorch.loop import ShardedSampler
 
 TINY_VAE = [
     *TINY_VAE_MODEL,
@@ -341,3 +342,23 @@ def test_compile_flag_trains(vae_path, tmp_path):
 def _weights_keys(vae_path, tmp_path):
     export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "1", "--output_dir", str(tmp_path / "plain")])
     return safe_load(export)["weights"].keys()
+
+
+@pytest.mark.parametrize("new_world", [1, 2, 3])
+def test_sampler_position_holds_at_any_world_size(new_world):
+    """2 ranks consumed 3 batches each; resumed on 1, 2 or 3 ranks, no sample repeats within the epoch and
+    the ranks get equal whole batches; on 2 ranks each continues exactly where it stopped."""
+    length, batch = 101, 4
+    first = [list(ShardedSampler(length, r, 2, 0, batch)) for r in range(2)]
+    seen = {i for shard in first for i in shard[: 3 * batch]}
+    rest = []
+    for r in range(new_world):
+        sampler = ShardedSampler(length, r, new_world, 0, batch)
+        sampler.set_position(0, 3 * batch * 2)
+        rest.append(list(sampler))
+        assert len(sampler) == len(rest[-1])
+    after = [i for shard in rest for i in shard]
+    assert not seen & set(after) and len(set(after)) == len(after)
+    assert len({len(shard) for shard in rest}) == 1 and len(rest[0]) % batch == 0 and len(rest[0]) > 0
+    if new_world == 2:
+        assert rest == [shard[3 * batch :] for shard in first]

@@ -1,0 +1,99 @@
+"""Horovod elastic training (`horovodrun --min-np N --max-np M --host-discovery-script ...`).
+
+Horovod keeps training when workers are lost or added: every `--commit_every` steps each worker copies
+the training state to host memory (a commit, which also checks for new hosts); when a worker dies the
+survivors' next collective raises HorovodInternalError, they roll back to the last commit, Horovod
+re-forms the ring without the lost worker, and training continues; new workers join at a commit. After
+each change rank 0's state is broadcast to every worker.
+
+Not `hvd.elastic.TorchState`: its optimizer sync is `broadcast_optimizer_state`, which on a joining
+worker's empty optimizer runs a step on zero gradients *after* the weights were broadcast, moving that
+worker's weights by the weight decay; its replicas then drift apart. Here optimizer state is created
+first and the weights are broadcast last, and a checksum confirms every worker holds the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import horovod.torch as hvd
+import torch
+from horovod.common.elastic import State
+
+
+class ElasticState(State):
+    """Model, optimizer, scheduler, loss scaler and loop position of a HorovodBackend, committed together."""
+
+    def __init__(self, backend, pos):
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
+        self.backend, self.pos = backend, pos
+        self.save()
+
+    def _module(self):
+        return self.backend.unwrap(self.backend.model)
+
+    def save(self) -> None:
+        b = self.backend
+        self._saved = copy.deepcopy(
+            {
+                "model": self._module().state_dict(),
+                "optimizer": b.optimizer.state_dict(),
+                "scheduler": b.scheduler.state_dict(),
+                "scaler": b.scaler.state_dict(),
+                "pos": dataclasses.asdict(self.pos),
+            }
+        )
+
+    def restore(self) -> None:
+        b = self.backend
+        self._module().load_state_dict(self._saved["model"])
+        b.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
+        b.scheduler.load_state_dict(self._saved["scheduler"])
+        b.scaler.load_state_dict(self._saved["scaler"])
+        for k, v in self._saved["pos"].items():
+            setattr(self.pos, k, v)  # the loop holds this object
+
+    def reset(self) -> None:
+        """After Horovod re-formed the ring: new ranks and size, and no half-accumulated gradients."""
+        b = self.backend
+        b.refresh_topology()
+        for p in self._module().parameters():
+            p.grad = None
+        b.optimizer.set_backward_passes_per_step(b.accumulation_steps)
+        if b.is_main:
+            print(f"elastic: continuing on {b.world_size} workers from step {self.pos.step}", flush=True)
+
+    def sync(self) -> None:
+        """Every worker takes rank 0's state (a joining worker has none; survivors restored the same commit)."""
+        b = self.backend
+        if hvd.broadcast_object(len(b.optimizer.state) > 0, root_rank=0):
+            b.init_optimizer_state()  # a joining worker's Adam state, to be overwritten; moves its weights
+            sd = b.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
+            tensors = [
+                (f"{i}.{k}", t) for i, st in sorted(sd["state"].items()) for k, t in st.items() if torch.is_tensor(t)
+            ]
+            hvd.broadcast_parameters(tensors, root_rank=0)
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+            groups = hvd.broadcast_object(hyper)
+            for g, saved in zip(b.optimizer.param_groups, groups):
+                g.update(saved)
+        hvd.broadcast_parameters(self._module().state_dict(), root_rank=0)  # weights last
+        rest = {
+            "scheduler": b.scheduler.state_dict(),
+            "scaler": b.scaler.state_dict(),
+            "pos": dataclasses.asdict(self.pos),
+        }
+        rest = hvd.broadcast_object(rest)
+        b.scheduler.load_state_dict(rest["scheduler"])
+        b.scaler.load_state_dict(rest["scaler"])
+        for k, v in rest["pos"].items():
+            setattr(self.pos, k, v)
+        self._check_replicas()
+        self.save()  # a failure before the next commit rolls back to this synchronized state
+
+    def _check_replicas(self) -> None:
+        total = torch.stack([p.detach().double().sum() for p in self._module().parameters()]).sum().cpu()
+        sums = hvd.allgather(total.view(1))
+        if not torch.equal(sums, sums[:1].expand_as(sums)):
+            raise RuntimeError(f"elastic sync left the workers with different weights (sums {sums.tolist()})")
