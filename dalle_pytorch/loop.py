@@ -40,7 +40,7 @@ class ShardedSampler(torch.utils.data.Sampler):
     Like DistributedSampler with drop_last, plus a start position so that a resumed run continues exactly
     where the interrupted one was instead of replaying the epoch. Rank r takes every world_size-th sample,
     so the samples all ranks have consumed are a prefix of the permutation: the position is one number,
-    valid at any world size (a resume on more or fewer ranks, an elastic Horovod run losing a worker).
+    valid at any world size (a resume on more or fewer ranks, an elastic run losing a worker).
     """
 
     def __init__(self, length: int, rank: int, world_size: int, seed: int, batch_size: int):
@@ -101,7 +101,7 @@ class Position:
 
 def train(task: Task, cfg, backend, run: RunDir) -> Position:
     """Train `task` with `backend` as `cfg` says; returns where training stopped."""
-    # per-rank batch and accumulation stay fixed for the run; an elastic Horovod run that loses or gains
+    # per-rank batch and accumulation stay fixed for the run; an elastic run that loses or gains
     # workers changes the global batch with them (and says so), it rescales nothing silently
     accum = cfg.accumulation_steps(backend.world_size)
     streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)  # shards split per rank by the dataset

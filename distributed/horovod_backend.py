@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import horovod.torch as hvd
 import torch
+from horovod.common.elastic import run_fn
 
 from .single import SingleBackend
 
@@ -23,12 +25,14 @@ class HorovodBackend(SingleBackend):
         super().__init__(*args, **kw)
         self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun --min-np/--max-np
         self._state = None
+        self._joining = False
 
     def setup(self) -> None:
         if not hvd.is_initialized():
             hvd.init()
         if self.elastic:  # ranks come from Horovod's rendezvous and change as workers come and go
             self.refresh_topology()
+            self._joining = _ring_started(training=False)
         elif hvd.size() != self.world_size or hvd.rank() != self.rank:
             raise RuntimeError(
                 f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}"
@@ -51,7 +55,14 @@ class HorovodBackend(SingleBackend):
         from .horovod_elastic import ElasticState
 
         self._state = ElasticState(self, pos)
-        return hvd.elastic.run(lambda state: steps(state.pos))(self._state)
+        self._joining = False
+
+        def reset():  # hvd.elastic.run's, then tell workers starting in the new ring that they join a run
+            hvd.shutdown()
+            hvd.init()
+            _ring_started(training=True)
+
+        return run_fn(lambda state: steps(state.pos), reset)(self._state)
 
     def commit(self, pos) -> None:
         if self._state is not None and pos.step % self.options.commit_every == 0:
@@ -66,7 +77,8 @@ class HorovodBackend(SingleBackend):
         # "initializes" the state by an optimizer.step() on zero gradients, which applies weight decay and
         # advances Adam's step count (so its bias correction) by one. A new optimizer's state is empty on
         # every rank, and a resumed one is read from the same checkpoint by every rank.
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if not self.elastic:  # elastic: the state sync at the start of the run broadcasts everything
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         compression = (
             hvd.Compression.fp16
             if getattr(self.options, "horovod_compression", "none") == "fp16"
@@ -112,4 +124,30 @@ class HorovodBackend(SingleBackend):
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self) -> None:
+        if self._joining:  # the running workers wait in the state sync, not here (see _job_flag)
+            return
         hvd.barrier()
+
+
+def _ring_started(training: bool, timeout: float = 600.0) -> bool:
+    """Called by every worker right after hvd.init: rank 0 says whether this ring of workers is already
+    training (after a reset) or just starting; the others wait for its word, through horovodrun's
+    rendezvous store, which starts empty for each new ring. Returns whether this worker joins a run.
+
+    A worker joining a running job must call no collective before the state sync, where the running
+    workers wait (Horovod's rule for elastic jobs): its startup barriers (the BPE file, checkpoint
+    loading) are skipped; what they guard exists already and the sync overwrites what it read."""
+    from horovod.runner.http.http_client import put_data_into_kvstore, read_data_from_kvstore
+
+    addr, port = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"], os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    if hvd.rank() == 0:
+        put_data_into_kvstore(addr, port, "dalle-pytorch", "training", training)
+        return False
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return bool(read_data_from_kvstore(addr, port, "dalle-pytorch", "training"))
+        except RuntimeError:  # 404 until rank 0 has written it
+            if time.monotonic() > end:
+                raise TimeoutError(f"elastic: rank 0 did not start within {timeout:.0f}s") from None
+            time.sleep(0.05)
