@@ -47,10 +47,16 @@ def read_vqgan_config(path: str) -> VQGANConfig:
     except ImportError:
         raise ImportError("--vqgan_config_path needs PyYAML to read the config: run `make install`") from None
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except (yaml.YAMLError, UnicodeDecodeError):  # a checkpoint is not text
+            data = None
     model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or "params" not in model or "ddconfig" not in model.get("params", {}):
-        raise ValueError(f"--vqgan_config_path {path} is not a taming config: expected model.params.ddconfig")
+        raise ValueError(
+            f"--vqgan_config_path {path} is not a taming config: expected model.params.ddconfig "
+            "(did you swap --vqgan_model_path and --vqgan_config_path?)"
+        )
     target = str(model.get("target", "taming.models.vqgan.VQModel"))
     name = target.rsplit(".", 1)[-1]
     if name not in _TAMING_TARGETS:
@@ -77,7 +83,7 @@ def read_vqgan_config(path: str) -> VQGANConfig:
 
 def vqgan_weights(path: str) -> dict[str, torch.Tensor]:
     """The autoencoder's weights from a Lightning checkpoint (its `state_dict`) or a plain state dict."""
-    obj = load_untrusted(path, "--vqgan_model_path")
+    obj = load_untrusted(path, "--vqgan_model_path", "did you swap --vqgan_model_path and --vqgan_config_path?")
     sd = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"--vqgan_model_path {path} holds no state dict (a Lightning .ckpt or a state dict file)")
