@@ -22,7 +22,11 @@ from .openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 from .vqgan import VQGANConfig, VQGanVAE
 
 PRETRAINED_KINDS = ("vqgan", "gumbel_vqgan", "openai")
-_TAMING_TARGETS = {"VQModel": False, "VQNoDiscModel": False, "GumbelVQ": True}  # class name -> gumbel
+_TAMING_TARGETS = {  # model.target -> gumbel
+    "taming.models.vqgan.VQModel": False,
+    "taming.models.vqgan.VQNoDiscModel": False,
+    "taming.models.vqgan.GumbelVQ": True,
+}
 _VQGAN_KEEP = ("encoder.", "decoder.", "quantize.", "quant_conv.", "post_quant_conv.")  # not loss.* (GAN, LPIPS)
 
 
@@ -58,11 +62,10 @@ def read_vqgan_config(path: str) -> VQGANConfig:
             "(did you swap --vqgan_model_path and --vqgan_config_path?)"
         )
     target = str(model.get("target", "taming.models.vqgan.VQModel"))
-    name = target.rsplit(".", 1)[-1]
-    if name not in _TAMING_TARGETS:
+    if target not in _TAMING_TARGETS:
         raise ValueError(
-            f"--vqgan_config_path {path}: model.target {target} is not supported; "
-            f"expected taming.models.vqgan.{', '.join(_TAMING_TARGETS)}"
+            f"--vqgan_config_path {path}: model.target {target} is not supported; expected one of "
+            f"{', '.join(_TAMING_TARGETS)}"
         )
     params = model["params"]
     if params.get("remap"):
@@ -74,11 +77,13 @@ def read_vqgan_config(path: str) -> VQGANConfig:
             **{k: v for k, v in dd.items() if k in names},
             n_embed=int(params["n_embed"]),
             embed_dim=int(params["embed_dim"]),
-            gumbel=_TAMING_TARGETS[name],
+            gumbel=_TAMING_TARGETS[target],
             extra={k: v for k, v in dd.items() if k not in names},
         )
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"--vqgan_config_path {path}: incomplete model.params ({e})") from None
+    except KeyError as e:
+        raise ValueError(f"--vqgan_config_path {path}: model.params has no {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--vqgan_config_path {path}: {e}") from None
 
 
 def vqgan_weights(path: str) -> dict[str, torch.Tensor]:

@@ -306,6 +306,15 @@ def test_config_and_weight_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "ema.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="EMAVQ is not supported"):
         read_vqgan_config(str(tmp_path / "ema.yaml"))
+    data["model"]["target"] = "ldm.models.autoencoder.VQModel"  # the same class name, another package
+    (tmp_path / "ldm.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="ldm.models.autoencoder.VQModel is not supported"):
+        read_vqgan_config(str(tmp_path / "ldm.yaml"))
+    data["model"]["target"] = "taming.models.vqgan.VQModel"
+    data["model"]["params"]["ddconfig"]["give_pre_end"] = True
+    (tmp_path / "pre_end.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="give_pre_end is true"):
+        read_vqgan_config(str(tmp_path / "pre_end.yaml"))
     with pytest.raises(FileNotFoundError, match="--vqgan_model_path .* does not exist"):
         load_vqgan(str(tmp_path / "missing.ckpt"), config)
     with pytest.raises(FileNotFoundError, match="no encoder.pkl"):
