@@ -52,14 +52,7 @@ def convert(ckpt_dir: str, out: str) -> str:
     from .tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer
 
     run = config["dalle"]
-    _, vae_export = load_image_tokenizer(
-        run["vae_path"],
-        run.get("taming", False),
-        run.get("vqgan_model_path", ""),
-        run.get("vqgan_config_path", ""),
-        run.get("openai_vae_path", ""),
-        run.get("pretrained_image_size", 0),
-    )
+    _, vae_export = load_image_tokenizer(run)
     if run["bpe_path"]:
         tokenizer = (HugTokenizer if run["hug"] else YttmTokenizer).from_file(run["bpe_path"])
     elif run["tokenizer"] == "byte":
