@@ -161,10 +161,13 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
     from dalle_pytorch.shapes import ShapesDataset
 
     vae, vae_export = load_image_tokenizer(vars(run_cfg))
-    vae_id = vae_export["fingerprint"] if "fingerprint" in vae_export else vae_fingerprint(vae_export)
+    pretrained = "weights" not in vae_export  # a pretrained tokenizer's record: config, paths, fingerprint
+    vae_id = vae_export["fingerprint"] if pretrained else vae_fingerprint(vae_export)
     if cfg.resume:
         _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(run_cfg))
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
+    if pretrained:  # convert.py copies it into an export without reading the tokenizer's weights again
+        configs["pretrained_tokenizer"] = vae_export
     with distributed_run(cfg, "dalle", configs) as (backend, run):
         if run_cfg.wds:
             if not run_cfg.image_text_folder:

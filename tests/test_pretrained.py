@@ -7,6 +7,7 @@ when they are installed (`make install` installs them; see tests/pretrained_refs
 """
 
 import collections
+import json
 import os
 import pickle
 import shutil
@@ -369,10 +370,12 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
             + ["--resume", "auto"]
         )
     assert "is not the VAE this run was trained with" in capsys.readouterr().err
-    shutil.move(moved, ckpt)
     from dalle_pytorch.checkpoints import step_dirs
     from dalle_pytorch.convert import convert
 
+    with open(os.path.join(out, "dalle", "config.json")) as f:
+        assert json.load(f)["pretrained_tokenizer"] == record
+    os.remove(moved)  # convert copies the run's record and never reads the tokenizer's weights
     converted = convert(step_dirs(os.path.join(out, "dalle", "checkpoints"))[0], str(tmp_path / "converted.pt"))
     assert torch.load(converted, weights_only=True)["vae"] == record
 
