@@ -109,20 +109,6 @@ def vae_fingerprint(export: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def image_tokenizer(run_cfg: DALLERunConfig):
-    """(tokenizer, export): our VAE's export, or the record of a pretrained VQGAN / OpenAI dVAE."""
-    from dalle_pytorch.pretrained import load_image_tokenizer
-
-    return load_image_tokenizer(
-        run_cfg.vae_path,
-        run_cfg.taming,
-        run_cfg.vqgan_model_path,
-        run_cfg.vqgan_config_path,
-        run_cfg.openai_vae_path,
-        run_cfg.pretrained_image_size,
-    )
-
-
 def tokenizer_flag(run_cfg: DALLERunConfig) -> str:
     """The flags that chose the image tokenizer, for messages."""
     if run_cfg.taming:
@@ -171,13 +157,17 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
     from dalle_pytorch.dalle_task import DALLETask
     from dalle_pytorch.data import CaptionFolder
     from dalle_pytorch.loop import train
+    from dalle_pytorch.pretrained import load_image_tokenizer
     from dalle_pytorch.shapes import ShapesDataset
 
-    vae, vae_export = image_tokenizer(run_cfg)
-    vae_id = vae_export["fingerprint"] if "fingerprint" in vae_export else vae_fingerprint(vae_export)
+    vae, vae_export = load_image_tokenizer(vars(run_cfg))
+    pretrained = "weights" not in vae_export  # a pretrained tokenizer's record: config, paths, fingerprint
+    vae_id = vae_export["fingerprint"] if pretrained else vae_fingerprint(vae_export)
     if cfg.resume:
         _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(run_cfg))
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
+    if pretrained:  # convert.py copies it into an export without reading the tokenizer's weights again
+        configs["pretrained_tokenizer"] = vae_export
     with distributed_run(cfg, "dalle", configs) as (backend, run):
         if run_cfg.wds:
             if not run_cfg.image_text_folder:

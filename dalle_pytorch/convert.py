@@ -6,7 +6,8 @@
 Reads the checkpoint's weights without a process group and without DeepSpeed's helper scripts: the DCP
 copy that every backend writes through torch.distributed.checkpoint, or, for a checkpoint holding only
 DeepSpeed's own ZeRO shards, through deepspeed.utils.zero_to_fp32. The model config, the VAE and the
-tokenizer come from the run's config.json.
+tokenizer come from the run's config.json; a pretrained tokenizer (VQGAN, OpenAI's dVAE) as the record that
+train_dalle.py kept there, so its weights are not read again.
 """
 
 from __future__ import annotations
@@ -52,14 +53,9 @@ def convert(ckpt_dir: str, out: str) -> str:
     from .tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer
 
     run = config["dalle"]
-    _, vae_export = load_image_tokenizer(
-        run["vae_path"],
-        run.get("taming", False),
-        run.get("vqgan_model_path", ""),
-        run.get("vqgan_config_path", ""),
-        run.get("openai_vae_path", ""),
-        run.get("pretrained_image_size", 0),
-    )
+    vae_export = config.get("pretrained_tokenizer")  # the record train_dalle.py kept of a pretrained tokenizer
+    if vae_export is None:  # our VAE, whose export the DALLE export copies (or a run older than the record)
+        vae_export = load_image_tokenizer(run)[1]
     if run["bpe_path"]:
         tokenizer = (HugTokenizer if run["hug"] else YttmTokenizer).from_file(run["bpe_path"])
     elif run["tokenizer"] == "byte":

@@ -45,16 +45,16 @@ class OpenAIDVAEConfig:
         return asdict(self)
 
     @classmethod
-    def from_state_dicts(cls, enc: dict, dec: dict) -> OpenAIDVAEConfig:
-        """The sizes, read from the shapes of the encoder's and the decoder's weights."""
+    def from_state_dict(cls, weights: dict) -> OpenAIDVAEConfig:
+        """The sizes, read from the shapes of the weights (`enc.*` and `dec.*`, as OpenAIDiscreteVAE names them)."""
         try:
-            n_hid, input_channels = enc["blocks.input.w"].shape[:2]
-            vocab_size = enc["blocks.output.conv.w"].shape[0]
-            n_init = dec["blocks.input.w"].shape[0]
-            output_channels = dec["blocks.output.conv.w"].shape[0] // 2
+            n_hid, input_channels = weights["enc.blocks.input.w"].shape[:2]
+            vocab_size = weights["enc.blocks.output.conv.w"].shape[0]
+            n_init = weights["dec.blocks.input.w"].shape[0]
+            output_channels = weights["dec.blocks.output.conv.w"].shape[0] // 2
         except KeyError as e:
             raise ValueError(f"not an OpenAI dVAE state dict: no {e.args[0]}") from None
-        n_blk = sum(1 for k in enc if k.startswith("blocks.group_1.block_") and k.endswith("res_path.conv_1.w"))
+        n_blk = sum(1 for k in weights if k.startswith("enc.blocks.group_1.block_") and k.endswith("res_path.conv_1.w"))
         return cls(n_hid, n_blk, vocab_size, input_channels, output_channels, n_init)
 
 

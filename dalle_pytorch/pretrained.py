@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import fields
 
 import torch
@@ -21,9 +22,14 @@ from .inert_pickle import load_untrusted, module_state_dict
 from .openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 from .vqgan import VQGANConfig, VQGanVAE
 
-PRETRAINED_KINDS = ("vqgan", "gumbel_vqgan", "openai")
-_TAMING_TARGETS = {"VQModel": False, "VQNoDiscModel": False, "GumbelVQ": True}  # class name -> gumbel
+_TAMING_TARGETS = {  # model.target -> gumbel
+    "taming.models.vqgan.VQModel": False,
+    "taming.models.vqgan.VQNoDiscModel": False,
+    "taming.models.vqgan.GumbelVQ": True,
+}
 _VQGAN_KEEP = ("encoder.", "decoder.", "quantize.", "quant_conv.", "post_quant_conv.")  # not loss.* (GAN, LPIPS)
+# kind -> the flag that gives its file, also the key of the path in its record
+_FLAGS = {"vqgan": "vqgan_model_path", "gumbel_vqgan": "vqgan_model_path", "openai": "openai_vae_path"}
 
 
 def fingerprint(config: dict, weights: dict[str, torch.Tensor]) -> str:
@@ -35,7 +41,7 @@ def fingerprint(config: dict, weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-# ------------------------------------------------------------------------------------------------ VQGAN
+# ------------------------------------------------------------------------------------------ reading files
 
 
 def read_vqgan_config(path: str) -> VQGANConfig:
@@ -47,16 +53,21 @@ def read_vqgan_config(path: str) -> VQGANConfig:
     except ImportError:
         raise ImportError("--vqgan_config_path needs PyYAML to read the config: run `make install`") from None
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except (yaml.YAMLError, UnicodeDecodeError):  # a checkpoint is not text
+            data = None
     model = data.get("model", data) if isinstance(data, dict) else None
     if not isinstance(model, dict) or "params" not in model or "ddconfig" not in model.get("params", {}):
-        raise ValueError(f"--vqgan_config_path {path} is not a taming config: expected model.params.ddconfig")
-    target = str(model.get("target", "taming.models.vqgan.VQModel"))
-    name = target.rsplit(".", 1)[-1]
-    if name not in _TAMING_TARGETS:
         raise ValueError(
-            f"--vqgan_config_path {path}: model.target {target} is not supported; "
-            f"expected taming.models.vqgan.{', '.join(_TAMING_TARGETS)}"
+            f"--vqgan_config_path {path} is not a taming config: expected model.params.ddconfig "
+            "(did you swap --vqgan_model_path and --vqgan_config_path?)"
+        )
+    target = str(model.get("target", "taming.models.vqgan.VQModel"))
+    if target not in _TAMING_TARGETS:
+        raise ValueError(
+            f"--vqgan_config_path {path}: model.target {target} is not supported; expected one of "
+            f"{', '.join(_TAMING_TARGETS)}"
         )
     params = model["params"]
     if params.get("remap"):
@@ -68,141 +79,135 @@ def read_vqgan_config(path: str) -> VQGANConfig:
             **{k: v for k, v in dd.items() if k in names},
             n_embed=int(params["n_embed"]),
             embed_dim=int(params["embed_dim"]),
-            gumbel=_TAMING_TARGETS[name],
+            gumbel=_TAMING_TARGETS[target],
             extra={k: v for k, v in dd.items() if k not in names},
         )
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"--vqgan_config_path {path}: incomplete model.params ({e})") from None
+    except KeyError as e:
+        raise ValueError(f"--vqgan_config_path {path}: model.params has no {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--vqgan_config_path {path}: {e}") from None
 
 
 def vqgan_weights(path: str) -> dict[str, torch.Tensor]:
     """The autoencoder's weights from a Lightning checkpoint (its `state_dict`) or a plain state dict."""
-    obj = load_untrusted(path, "--vqgan_model_path")
+    obj = load_untrusted(path, "--vqgan_model_path", "did you swap --vqgan_model_path and --vqgan_config_path?")
     sd = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"--vqgan_model_path {path} holds no state dict (a Lightning .ckpt or a state dict file)")
     return {k: v for k, v in sd.items() if k.startswith(_VQGAN_KEEP)}
 
 
-def _load_into(model: torch.nn.Module, weights: dict, what: str) -> None:
-    missing, unexpected = model.state_dict().keys() - weights.keys(), weights.keys() - model.state_dict().keys()
-    if missing or unexpected:
-        raise ValueError(
-            f"{what} does not match its config: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
-        )
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:  # shapes
-        raise ValueError(f"{what} does not match its config: {str(e).splitlines()[-1].strip()}") from None
-
-
-def load_vqgan(model_path: str, config_path: str, image_size: int = 0) -> tuple[VQGanVAE, dict]:
-    """(tokenizer, record) of a taming VQModel / GumbelVQ."""
-    cfg = read_vqgan_config(config_path)
-    weights = vqgan_weights(model_path)
-    vae = VQGanVAE(cfg, image_size)
-    _load_into(vae.model, weights, f"--vqgan_model_path {model_path}")
-    paths = {"vqgan_model_path": os.path.abspath(model_path), "vqgan_config_path": os.path.abspath(config_path)}
-    kind = "gumbel_vqgan" if cfg.gumbel else "vqgan"
-    return vae.eval().requires_grad_(False), _record(kind, cfg.to_dict(), vae.image_size, paths, weights)
-
-
-# ------------------------------------------------------------------------------------------- OpenAI dVAE
-
-
-def openai_weights(directory: str) -> tuple[dict, dict]:
-    """(encoder, decoder) state dicts from DIR/encoder.pt + decoder.pt, or DIR/encoder.pkl + decoder.pkl."""
+def openai_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The weights of OpenAIDiscreteVAE (`enc.*`, `dec.*`) from DIR/encoder.pt + decoder.pt (state dicts) or
+    DIR/encoder.pkl + decoder.pkl (pickled modules, as OpenAI released them)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"--openai_vae_path {directory} is not a directory holding encoder.pkl and decoder.pkl")
-    out = []
-    for part in ("encoder", "decoder"):
+    out = {}
+    for part, prefix in (("encoder", "enc."), ("decoder", "dec.")):
         found = [os.path.join(directory, part + ext) for ext in (".pt", ".pth", ".pkl")]
         found = [p for p in found if os.path.exists(p)]
         if not found:
             raise FileNotFoundError(f"--openai_vae_path {directory} has no {part}.pkl (or {part}.pt state dict)")
         obj = load_untrusted(found[0], "--openai_vae_path")
-        if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            out.append(dict(obj))
-        else:
-            out.append(module_state_dict(obj))
-    return out[0], out[1]
+        is_state_dict = isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())
+        out.update({prefix + k: v for k, v in (obj if is_state_dict else module_state_dict(obj)).items()})
+    return out
 
 
-def load_openai(directory: str, image_size: int = 0) -> tuple[OpenAIDiscreteVAE, dict]:
-    enc, dec = openai_weights(directory)
-    cfg = OpenAIDVAEConfig.from_state_dicts(enc, dec)
-    vae = OpenAIDiscreteVAE(cfg, image_size or 256)
-    what = f"--openai_vae_path {directory}"
-    _load_into(vae.enc, enc, what + " (encoder)")
-    _load_into(vae.dec, dec, what + " (decoder)")
-    weights = {**{f"enc.{k}": v for k, v in enc.items()}, **{f"dec.{k}": v for k, v in dec.items()}}
-    record = _record("openai", cfg.to_dict(), vae.image_size, {"openai_vae_path": os.path.abspath(directory)}, weights)
-    return vae.eval().requires_grad_(False), record
+def _read_weights(kind: str, path: str) -> dict[str, torch.Tensor]:
+    return openai_weights(path) if kind == "openai" else vqgan_weights(path)
 
 
-# ---------------------------------------------------------------------------------------------- records
+# ------------------------------------------------------------------------------- tokenizers and records
 
 
-def _record(kind: str, config: dict, image_size: int, paths: dict, weights: dict) -> dict:
-    return {
+def _build(kind: str, config: dict, image_size: int, weights: dict, what: str):
+    """The frozen tokenizer of `kind` with `weights` loaded; `what` names the file in errors."""
+    if kind == "openai":
+        vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(**config), image_size or 256)
+        target = vae
+    elif kind in ("vqgan", "gumbel_vqgan"):
+        vae = VQGanVAE(VQGANConfig(**config), image_size)
+        target = vae.model
+    else:
+        raise ValueError(f"unknown image tokenizer kind {kind!r}: update the code")
+    missing, unexpected = target.state_dict().keys() - weights.keys(), weights.keys() - target.state_dict().keys()
+    if missing or unexpected:
+        raise ValueError(
+            f"{what} does not match its config: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
+        )
+    try:
+        target.load_state_dict(weights)
+    except RuntimeError as e:  # shapes
+        raise ValueError(f"{what} does not match its config: {str(e).splitlines()[-1].strip()}") from None
+    return vae.eval().requires_grad_(False)
+
+
+def _with_record(kind: str, config: dict, image_size: int, path_key: str, path: str, weights: dict):
+    """(tokenizer, record): what a DALLE export keeps of a pretrained tokenizer instead of its weights."""
+    vae = _build(kind, config, image_size, weights, f"--{path_key} {path}")
+    record = {
         "format_version": 1,
         "kind": kind,
         "config": config,
-        "image_size": image_size,
-        "paths": paths,
+        "image_size": vae.image_size,
+        "paths": {path_key: os.path.abspath(path)},
         "fingerprint": fingerprint({"kind": kind, **config}, weights),
     }
+    return vae, record
+
+
+def load_vqgan(model_path: str, config_path: str, image_size: int = 0):
+    """(tokenizer, record) of a taming VQModel / GumbelVQ."""
+    cfg = read_vqgan_config(config_path)
+    kind = "gumbel_vqgan" if cfg.gumbel else "vqgan"
+    vae, record = _with_record(
+        kind, cfg.to_dict(), image_size, "vqgan_model_path", model_path, vqgan_weights(model_path)
+    )
+    record["paths"]["vqgan_config_path"] = os.path.abspath(config_path)
+    return vae, record
+
+
+def load_openai(directory: str, image_size: int = 0):
+    """(tokenizer, record) of OpenAI's dVAE; its sizes are read from the weights."""
+    weights = openai_weights(directory)
+    config = OpenAIDVAEConfig.from_state_dict(weights).to_dict()
+    return _with_record("openai", config, image_size, "openai_vae_path", directory, weights)
 
 
 def tokenizer_from_record(record: dict, vqgan_model_path: str = "", openai_vae_path: str = ""):
     """Rebuild the pretrained tokenizer a DALLE export records; the paths override the recorded ones."""
     kind = record["kind"]
-    if (vqgan_model_path and kind == "openai") or (openai_vae_path and kind != "openai"):
-        wrong = "--vqgan_model_path" if vqgan_model_path and kind == "openai" else "--openai_vae_path"
-        raise ValueError(f"this DALLE was trained with the {kind} tokenizer: {wrong} does not apply")
-    if kind in ("vqgan", "gumbel_vqgan"):
-        flag, path = "--vqgan_model_path", vqgan_model_path or record["paths"]["vqgan_model_path"]
-    elif kind == "openai":
-        flag, path = "--openai_vae_path", openai_vae_path or record["paths"]["openai_vae_path"]
-    else:
+    if kind not in _FLAGS:
         raise ValueError(f"unknown image tokenizer kind {kind!r} in the export: update the code")
+    overrides = {"vqgan_model_path": vqgan_model_path, "openai_vae_path": openai_vae_path}
+    for key, value in overrides.items():
+        if value and key != _FLAGS[kind]:
+            raise ValueError(f"this DALLE was trained with the {kind} tokenizer: --{key} does not apply")
+    key = _FLAGS[kind]
+    path = overrides[key] or record["paths"][key]
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"this DALLE was trained with the {kind} tokenizer at {path}, which does not exist here: "
-            f"pass its new location with {flag}"
+            f"pass its new location with --{key}"
         )
-    if kind == "openai":
-        enc, dec = openai_weights(path)
-        cfg = OpenAIDVAEConfig(**record["config"])
-        vae = OpenAIDiscreteVAE(cfg, record["image_size"])
-        weights = {**{f"enc.{k}": v for k, v in enc.items()}, **{f"dec.{k}": v for k, v in dec.items()}}
-    else:
-        cfg = VQGANConfig(**record["config"])
-        vae = VQGanVAE(cfg, record["image_size"])
-        weights = vqgan_weights(path)
+    weights = _read_weights(kind, path)
     found = fingerprint({"kind": kind, **record["config"]}, weights)
     if found != record["fingerprint"]:
         raise ValueError(
-            f"{flag} {path} holds other weights than the {kind} tokenizer this DALLE was trained with "
+            f"--{key} {path} holds other weights than the {kind} tokenizer this DALLE was trained with "
             f"(fingerprint {found}, the export recorded {record['fingerprint']}): pass the original file"
         )
-    if kind == "openai":
-        _load_into(vae.enc, enc, f"{flag} {path} (encoder)")
-        _load_into(vae.dec, dec, f"{flag} {path} (decoder)")
-    else:
-        _load_into(vae.model, weights, f"{flag} {path}")
-    return vae.eval().requires_grad_(False)
+    return _build(kind, record["config"], record["image_size"], weights, f"--{key} {path}")
 
 
-def load_image_tokenizer(
-    vae_path: str = "",
-    taming: bool = False,
-    vqgan_model_path: str = "",
-    vqgan_config_path: str = "",
-    openai_vae_path: str = "",
-    image_size: int = 0,
-):
-    """(tokenizer, export) from the flags that choose it: our VAE's export, or a pretrained one's record."""
+def load_image_tokenizer(flags: Mapping):
+    """(tokenizer, export) from the flags that choose it, as train_dalle.py parses them or config.json's
+    `dalle` section records them (runs older than the pretrained tokenizers lack those flags): our VAE's
+    export, or a pretrained tokenizer's record."""
+    vae_path, taming, openai_vae_path = flags.get("vae_path", ""), flags.get("taming"), flags.get("openai_vae_path")
+    vqgan_model_path, vqgan_config_path = flags.get("vqgan_model_path"), flags.get("vqgan_config_path")
+    image_size = flags.get("pretrained_image_size", 0)
     if (vqgan_model_path or vqgan_config_path) and not taming:
         raise ValueError("--vqgan_model_path and --vqgan_config_path are read with --taming: add --taming")
     chosen = [

@@ -70,13 +70,15 @@ if ! "$VPY" -c "import deepspeed, webdataset, einops, tokenizers, tqdm, safetens
   touch "$VENV/.requirements-installed"
 fi
 
-CURRENT_STEP="reference tokenizers for tests/test_pretrained.py (taming-transformers, DALL-E)"
-HINT="pip install --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; the tests fall back to a fixture without them"
 # Without their dependencies: taming's pull an old pytorch-lightning and omegaconf, DALL-E's mypy and blobfile;
-# the tests import only the model code (see tests/pretrained_refs.py). The project itself never imports them.
+# the tests import only the model code (see tests/pretrained_refs.py). The project itself never imports them,
+# and the tests compare with a fixture without them, so a failure here is a warning, not the end of the install.
 if ! have taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; then
-  step "$CURRENT_STEP"
-  "$PIP" install -q --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION
+  step "reference tokenizers for tests/test_pretrained.py (taming-transformers, DALL-E; optional)"
+  if ! "$PIP" install -q --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; then
+    echo "[install] warning: taming-transformers-rom1504 and DALL-E did not install (read the pip error above);" \
+      "tests/test_pretrained.py skips its live comparisons and still compares with the fixture" >&2
+  fi
 fi
 
 CURRENT_STEP="horovod $HOROVOD_VERSION (built from source with Gloo, CPU-only)"

@@ -68,7 +68,7 @@ def main():
     weights = random_weights(shapes, 2)
     enc.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("enc.")})
     dec.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("dec.")})
-    images = block_images(4, 16, 102)
+    images = block_images(4, 32, 102)  # a 4x4 grid each: 64 codes
     codes, decoded = dall_e_tokenize(enc, dec, images)
     cases["openai"] = {
         "seed": 2,

@@ -37,13 +37,18 @@ OPENAI_SIZES = dict(n_hid=64, n_blk_per_group=1, vocab_size=512, n_init=32)  # t
 
 def random_weights(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
     """Deterministic weights for the given names and shapes: fan-in scaled matrices, codebooks ~ N(0, 1),
-    norm scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2); codes come out varied instead of collapsed."""
+    norm scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2); codes come out varied instead of collapsed.
+
+    The dVAE's input convs (`blocks.input.w`) get zero-mean filters: otherwise the mean brightness that every
+    image shares dominates the encoder's features and 64 codes take about 5 distinct values."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(shapes):
         shape = tuple(shapes[name])
         x = torch.randn(shape, generator=g)
-        if "embed" in name:
+        if name.endswith("blocks.input.w"):
+            out[name] = (x - x.mean(dim=(1, 2, 3), keepdim=True)) / torch.tensor(shape[1:]).prod().float().sqrt()
+        elif "embed" in name:
             out[name] = x
         elif len(shape) > 1:
             out[name] = x / (torch.tensor(shape[1:]).prod().float().sqrt())

@@ -6,10 +6,13 @@ upstream packages by tests/make_pretrained_fixture.py; always runs), and live ag
 when they are installed (`make install` installs them; see tests/pretrained_refs.py for how they import).
 """
 
+import collections
+import json
 import os
 import pickle
 import shutil
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -38,8 +41,9 @@ class CheckpointCallback:  # stands for Lightning's callbacks: classes weights_o
         self.best_model_score = torch.tensor(0.25)
 
 
-class HParams(dict):
-    pass
+class HParams:  # stands for hyper-parameters kept as an object (Lightning keeps an OmegaConf container so)
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
 
 
 def write_vqgan(tmp_path, weights, ddconfig, n_embed, embed_dim, gumbel, name="vqgan"):
@@ -100,6 +104,7 @@ def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
     vae, record = load_vqgan(ckpt, config)
     assert record["kind"] == kind and vae.fmap_size == 8 and vae.num_tokens == 64 and vae.image_size == 16
     codes = vae.get_codebook_indices(case["images"])
+    assert codes.unique().numel() > 8  # the comparison means something
     assert torch.equal(codes, case["codes"])
     torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
     torch.save(weights, tmp_path / "plain.pt")  # a plain state dict, extracted from the checkpoint, reads too
@@ -109,9 +114,10 @@ def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
 def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
     case = reference["openai"]
     directory = write_openai(tmp_path, *split(_regenerate(case)))
-    vae, record = load_openai(directory, image_size=16)
-    assert record["kind"] == "openai" and vae.fmap_size == 2 and vae.num_tokens == 512
+    vae, record = load_openai(directory, image_size=32)
+    assert record["kind"] == "openai" and vae.fmap_size == 4 and vae.num_tokens == 512
     codes = vae.get_codebook_indices(case["images"])
+    assert codes.unique().numel() > 8  # the comparison means something
     assert torch.equal(codes, case["codes"])
     torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
 
@@ -170,6 +176,7 @@ def test_openai_matches_dall_e_live(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     vae, record = load_openai(str(tmp_path / "pkl"), image_size=32)
     codes = vae.get_codebook_indices(images)
+    assert codes.unique().numel() > 8  # the comparison means something
     assert torch.equal(codes, ref_codes)
     torch.testing.assert_close(vae.decode(codes), ref_images, atol=1e-5, rtol=0)
     # their state dicts give the same tokenizer and the same fingerprint
@@ -177,19 +184,117 @@ def test_openai_matches_dall_e_live(tmp_path, monkeypatch):
     assert from_state_dicts["fingerprint"] == record["fingerprint"]
 
 
-class Evil:
+class RunsCode:
+    def __init__(self, function, argument):
+        self.function, self.argument = function, argument
+
     def __reduce__(self):
-        return (os.system, ("echo pwned > /tmp/dalle_pretrained_pwned",))
+        return (self.function, (self.argument,))
 
 
-def test_pickled_code_is_never_run(tmp_path):
+@pytest.mark.parametrize("function", [os.system, exec], ids=["os.system", "exec"])
+def test_pickled_code_is_never_run(tmp_path, function):
+    pwned = tmp_path / "pwned"
+    code = f"echo pwned > {pwned}" if function is os.system else f"open({str(pwned)!r}, 'w')"
     path = tmp_path / "evil.ckpt"
-    torch.save({"state_dict": Evil()}, path, pickle_module=pickle)
-    obj = load_untrusted(str(path), "--vqgan_model_path")
-    assert "placeholder for posix.system" in repr(obj["state_dict"]) or "os.system" in repr(obj["state_dict"])
-    with pytest.raises(ValueError, match="holds no state dict"):
-        vqgan_weights(str(path))
-    assert not os.path.exists("/tmp/dalle_pretrained_pwned")
+    torch.save({"state_dict": RunsCode(function, code)}, path)
+    if function is os.system:  # a module torch's weights-only loader blocks: the file is refused outright
+        with pytest.raises(ValueError, match="refusing .* it names posix.system"):
+            load_untrusted(str(path), "--vqgan_model_path")
+    else:  # a placeholder stands for it and records the argument
+        obj = load_untrusted(str(path), "--vqgan_model_path")
+        assert repr(obj["state_dict"]) == "<placeholder for builtins.exec>" and obj["state_dict"].args == (code,)
+        with pytest.raises(ValueError, match="holds no state dict"):
+            vqgan_weights(str(path))
+    assert not pwned.exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_pickled_modules_read_in_both_formats(tmp_path, legacy):
+    """Whole pickled nn.Modules, as OpenAI released its dVAE; the legacy format names their classes in
+    "module" records, which become placeholder classes too."""
+    from dalle_pytorch.inert_pickle import module_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.ReLU(), torch.nn.BatchNorm2d(4))
+    torch.save(model, tmp_path / "model.pkl", _use_new_zipfile_serialization=not legacy)
+    obj = load_untrusted(str(tmp_path / "model.pkl"), "--openai_vae_path")
+    assert repr(obj) == "<placeholder for torch.nn.modules.container.Sequential>"
+    weights = module_state_dict(obj)
+    assert weights.keys() == model.state_dict().keys()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert not list(tmp_path.glob("*.patch"))
+
+
+def _with_pickle(path, payload):
+    """A zip-format torch file whose data.pkl is `payload` (the reviewer's PoC)."""
+    torch.save({}, path.with_suffix(".base"))
+    with zipfile.ZipFile(path.with_suffix(".base")) as zin, zipfile.ZipFile(path, "w") as zout:
+        for item in zin.infolist():
+            zout.writestr(item, payload if item.filename.endswith("data.pkl") else zin.read(item.filename))
+
+
+def _str(b: bytes) -> bytes:  # BINUNICODE
+    return b"X" + len(b).to_bytes(4, "little") + b
+
+
+def _build_class(module_and_name: bytes, state: bytes) -> bytes:  # GLOBAL cls, BUILD with (None, {state})
+    return b"c" + module_and_name + b"\nN}" + state + b"\x86b"
+
+
+@pytest.mark.parametrize("target", [b"collections\nCounter", b"taming.models\nVQModel"], ids=["allowed", "placeholder"])
+def test_a_pickle_cannot_change_a_class(tmp_path, target):
+    """BUILD on a class would set its attributes for the whole process; torch's unpickler only builds
+    instances (a placeholder class is no more writable than an allowed one)."""
+    path = tmp_path / "evil.ckpt"
+    state = _str(b"most_common") + b"ctorch.serialization\n_get_layout\ns"
+    _with_pickle(path, b"\x80\x02" + _build_class(target, state) + b".")
+    before = collections.Counter.most_common
+    with pytest.raises(ValueError, match="could not be read without running the code it pickles"):
+        load_untrusted(str(path), "--vqgan_model_path")
+    assert collections.Counter.most_common is before
+
+
+@pytest.mark.parametrize("pop", [True, False], ids=["poc", "one-tuple"])
+def test_a_legacy_pickle_cannot_write_a_patch_file(tmp_path, pop):
+    """torch's legacy reader writes CLASS.__name__ + '.patch' for a 'module' record whose class has
+    dump_patches set; the weights-only reader refuses BUILD on a class and every record but storages."""
+    from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+
+    from dalle_pytorch.pretrained import openai_weights
+
+    target = str(tmp_path / "pwned").encode()
+    build = _build_class(
+        b"collections\nCounter", _str(b"dump_patches") + b"\x88s" + _str(b"__name__") + _str(target) + b"s"
+    )
+    record = b"(" + _str(b"module") + b"ccollections\nCounter\n" + _str(b"x.py") + _str(b"echo pwned\n") + b"tQ"
+    main = b"\x80\x02" + (build + b"0" + record + b"." if pop else b"(" + build + record + b"t.")
+    os.makedirs(tmp_path / "oai")
+    with open(tmp_path / "oai" / "encoder.pkl", "wb") as f:
+        for obj in (MAGIC_NUMBER, PROTOCOL_VERSION, {}):
+            pickle.dump(obj, f, 2)
+        f.write(main)
+        pickle.dump([], f, 2)
+    with pytest.raises(ValueError, match="could not be read without running the code it pickles"):
+        openai_weights(str(tmp_path / "oai"))
+    assert not (tmp_path / "pwned.patch").exists()
+    assert collections.Counter.__name__ == "Counter" and not hasattr(collections.Counter, "dump_patches")
+
+
+def test_files_that_cannot_be_read_say_why(tmp_path):
+    ckpt, config = tiny_vqgan_files(tmp_path)
+    with pytest.raises(ValueError, match="is not a taming config.*did you swap --vqgan_model_path"):
+        load_vqgan(config, ckpt)  # swapped
+    with pytest.raises(ValueError, match="is not a torch checkpoint .did you swap --vqgan_model_path") as e:
+        vqgan_weights(config)
+    assert "weights_only=False" not in str(e.value)
+    torch.save({"state_dict": {}, "hparams": HParamsDict(lr=1.0)}, tmp_path / "dict_subclass.ckpt")
+    with pytest.raises(ValueError, match="could not be read without running") as e:
+        vqgan_weights(str(tmp_path / "dict_subclass.ckpt"))
+    assert "only if, the file comes from a source you trust" in str(e.value)
+
+
+class HParamsDict(dict):  # torch's unpickler sets items only in dict, OrderedDict and Counter
+    pass
 
 
 def test_config_and_weight_errors_say_what_is_wrong(tmp_path):
@@ -205,6 +310,15 @@ def test_config_and_weight_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "ema.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="EMAVQ is not supported"):
         read_vqgan_config(str(tmp_path / "ema.yaml"))
+    data["model"]["target"] = "ldm.models.autoencoder.VQModel"  # the same class name, another package
+    (tmp_path / "ldm.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="ldm.models.autoencoder.VQModel is not supported"):
+        read_vqgan_config(str(tmp_path / "ldm.yaml"))
+    data["model"]["target"] = "taming.models.vqgan.VQModel"
+    data["model"]["params"]["ddconfig"]["give_pre_end"] = True
+    (tmp_path / "pre_end.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match="give_pre_end is true"):
+        read_vqgan_config(str(tmp_path / "pre_end.yaml"))
     with pytest.raises(FileNotFoundError, match="--vqgan_model_path .* does not exist"):
         load_vqgan(str(tmp_path / "missing.ckpt"), config)
     with pytest.raises(FileNotFoundError, match="no encoder.pkl"):
@@ -259,10 +373,12 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
             + ["--resume", "auto"]
         )
     assert "is not the VAE this run was trained with" in capsys.readouterr().err
-    shutil.move(moved, ckpt)
     from dalle_pytorch.checkpoints import step_dirs
     from dalle_pytorch.convert import convert
 
+    with open(os.path.join(out, "dalle", "config.json")) as f:
+        assert json.load(f)["pretrained_tokenizer"] == record
+    os.remove(moved)  # convert copies the run's record and never reads the tokenizer's weights
     converted = convert(step_dirs(os.path.join(out, "dalle", "checkpoints"))[0], str(tmp_path / "converted.pt"))
     assert torch.load(converted, weights_only=True)["vae"] == record
 

@@ -9,6 +9,7 @@ MODELS = [
     "dalle_pytorch/dalle.py",
     "dalle_pytorch/transformer.py",
     "dalle_pytorch/vqgan.py",
+    "dalle_pytorch/vqgan_modules.py",
     "dalle_pytorch/openai_dvae.py",
 ]
 FORBIDDEN = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
