@@ -1,7 +1,9 @@
-"""Crashes and preemption: SIGTERM saves and exits cleanly; torchrun --max-restarts resumes by itself."""
+"""Crashes and preemption: SIGTERM saves and exits cleanly; torchrun --max-restarts resumes by itself;
+Horovod elastic loses a worker and takes a new one without stopping."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,3 +146,59 @@ def test_torchrun_restarts_after_a_killed_rank(vae_path, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     log = open(os.path.join(tmp_path, "dalle", "train.log")).read()
     assert "resumed from" in log and "done at step 300" in log
+
+
+def test_horovod_elastic_loses_a_worker_then_takes_a_new_one(vae_path, tmp_path):
+    """horovodrun --min-np 1 --max-np 2 on two "hosts" (localhost and 127.0.0.1, both this machine): the
+    127.0.0.1 worker is killed, the other rolls back to its last commit and goes on alone; then a third
+    host (this machine's name) appears in discovery, its worker joins at a commit, takes rank 0's state
+    (the sync checks that both hold the same weights) and both finish the run."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    args = dalle(vae_path, str(tmp_path), 400, 100)
+    args += ["--commit_every", "5", "--tokenizer", "yttm"]  # yttm: a startup barrier the joining worker must skip
+    proc = subprocess.Popen(
+        [
+            os.path.join(BIN, "horovodrun"),
+            "--gloo",
+            "--network-interface",
+            "lo",
+            "-np",
+            "2",
+            "--min-np",
+            "1",
+            "--max-np",
+            "2",
+            "--host-discovery-script",
+            str(discover),
+            sys.executable,
+            *args,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = os.path.join(tmp_path, "dalle")
+    try:
+        wait_for(lambda: metric_rows(run) >= 30)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.cmdline()[1:2] == [args[0]]]
+        victim = [p for p in workers if p.environ().get("HOROVOD_HOSTNAME") == "127.0.0.1"]
+        assert len(victim) == 1, [p.environ().get("HOROVOD_HOSTNAME") for p in workers]
+        victim[0].send_signal(signal.SIGKILL)
+        log = os.path.join(run, "train.log")
+        wait_for(lambda: "x 1 ranks" in open(log).read())  # the survivor goes on alone
+        rows = metric_rows(run)
+        wait_for(lambda: metric_rows(run) >= rows + 20)
+        hosts.write_text(f"localhost:1\n{socket.gethostname()}:1\n")
+        wait_for(lambda: open(log).read().count("x 2 ranks") == 2)  # the first start, then the join
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "continuing on 1 workers" in out and "continuing on 2 workers" in out
+    assert "done at step 400" in open(log).read()
