@@ -182,6 +182,22 @@ def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, referenc
         assert len([f for f in os.listdir(folders[0]) if f.endswith(".png")]) == 3  # 2 images and the grid
 
 
+def test_horovod_fp16_compression(vae_path, reference, tmp_path):
+    """--horovod_compression fp16: gradients cross the ring in fp16 and come back to fp32, so the run
+    follows the uncompressed one up to fp16 rounding of the gradients."""
+    launch("horovod", "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=["--horovod_compression", "fp16"]))
+    run = os.path.join(tmp_path, "dalle")
+    ref_weights, ref_norms = reference[8]
+    # step 1 starts from the same weights: fp32 runs agree on its gradient norm to ~1e-7 (summation order),
+    # fp16 rounding (2**-11 per element) moves it by ~1e-5: visible, so the compression is on, and small
+    first = abs(grad_norms(run)[0] / ref_norms[0] - 1)
+    assert 2e-6 < first < 5e-4, first
+    assert grad_norms(run) == pytest.approx(ref_norms, rel=5e-4)
+    weights = safe_load(os.path.join(run, "dalle.pt"))["weights"]
+    diff = torch.cat([(weights[k] - ref_weights[k]).abs().flatten() for k in weights])
+    assert diff.max() <= 3 * FAR and (diff > CLOSE).float().mean() <= 0.02
+
+
 @pytest.mark.parametrize("kind", ["torchrun", "deepspeed", "horovod"])
 def test_train_vae_under_launcher(kind, tmp_path):
     launch(kind, "train_vae.py", [*TINY_VAE, "--batch_size", "4", "--steps", "2", "--output_dir", str(tmp_path)])
