@@ -143,6 +143,8 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     def run_from(pos: Position) -> Position:
         """The steps from `pos` to the end. What depends on the rank and world size is built here, so an
         elastic backend can call it again, on the position it rolled back to, after workers came or went."""
+        if backend.is_main:  # rank 0 may have been lost and replaced by this worker
+            run.become_main()
         sampler, loader = _loader(task, cfg, backend, streamed)
         global_batch = cfg.batch_size * backend.world_size * accum
         run.print(

@@ -18,30 +18,38 @@ import torch
 class RunDir:
     def __init__(self, path: str, is_main: bool, tensorboard: bool = True, wandb_project: str | None = None):
         self.path = path
-        self.is_main = is_main
+        self.is_main = False
         self.samples = os.path.join(path, "samples")
         self.checkpoints = os.path.join(path, "checkpoints")
+        self._tensorboard, self._wandb_project = tensorboard, wandb_project
         self._tb = None
         self._log = None
         self._wandb = None
         self.config: dict = {}
-        if not is_main:
+        if is_main:
+            self.become_main()
+
+    def become_main(self) -> None:
+        """Start writing the run's files: at startup on rank 0, or later on the worker that an elastic run
+        made rank 0 when the previous one was lost."""
+        if self.is_main:
             return
+        self.is_main = True
         os.makedirs(self.samples, exist_ok=True)
         os.makedirs(self.checkpoints, exist_ok=True)
-        self._log = open(os.path.join(path, "train.log"), "a", buffering=1)
-        if wandb_project:
+        self._log = open(os.path.join(self.path, "train.log"), "a", buffering=1)
+        if self._wandb_project:
             try:
                 import wandb
             except ImportError:
                 raise ImportError("--wandb needs the wandb package: pip install wandb (or drop --wandb)") from None
             os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed; `wandb sync` later
-            self._wandb = wandb.init(project=wandb_project, name=os.path.basename(path), dir=path)
-        if tensorboard:
+            self._wandb = wandb.init(project=self._wandb_project, name=os.path.basename(self.path), dir=self.path)
+        if self._tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(path, "tensorboard"))
+                self._tb = SummaryWriter(os.path.join(self.path, "tensorboard"))
             except ImportError:  # tensorboard is optional
                 self._tb = None
 

@@ -149,10 +149,10 @@ def test_torchrun_restarts_after_a_killed_rank(vae_path, tmp_path):
 
 
 def test_horovod_elastic_loses_a_worker_then_takes_a_new_one(vae_path, tmp_path):
-    """horovodrun --min-np 1 --max-np 2 on two "hosts" (localhost and 127.0.0.1, both this machine): the
-    127.0.0.1 worker is killed, the other rolls back to its last commit and goes on alone; then a third
-    host (this machine's name) appears in discovery, its worker joins at a commit, takes rank 0's state
-    (the sync checks that both hold the same weights) and both finish the run."""
+    """horovodrun --min-np 1 --max-np 2 on two "hosts" (localhost and 127.0.0.1, both this machine): rank 0
+    is killed, the other worker rolls back to its last commit, becomes rank 0 (and the run's writer) and
+    goes on alone; then a third host (this machine's name) appears in discovery, its worker joins at a
+    commit, takes rank 0's state (the sync checks that both hold the same weights) and both finish."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     discover = tmp_path / "discover.sh"
@@ -187,16 +187,20 @@ def test_horovod_elastic_loses_a_worker_then_takes_a_new_one(vae_path, tmp_path)
     try:
         wait_for(lambda: metric_rows(run) >= 30)
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.cmdline()[1:2] == [args[0]]]
-        victim = [p for p in workers if p.environ().get("HOROVOD_HOSTNAME") == "127.0.0.1"]
-        assert len(victim) == 1, [p.environ().get("HOROVOD_HOSTNAME") for p in workers]
-        victim[0].send_signal(signal.SIGKILL)
+        assert len(workers) == 2
+        victim = next(p for p in workers if p.environ()["HOROVOD_RANK"] == "0")  # the one writing the run's files
+        survivor = next(p for p in workers if p is not victim).environ()["HOROVOD_HOSTNAME"]
+        victim.send_signal(signal.SIGKILL)
         log = os.path.join(run, "train.log")
         wait_for(lambda: "x 1 ranks" in open(log).read())  # the survivor goes on alone
         rows = metric_rows(run)
         wait_for(lambda: metric_rows(run) >= rows + 20)
-        hosts.write_text(f"localhost:1\n{socket.gethostname()}:1\n")
+        hosts.write_text(f"{survivor}:1\n{socket.gethostname()}:1\n")
         wait_for(lambda: open(log).read().count("x 2 ranks") == 2)  # the first start, then the join
         out = proc.communicate(timeout=300)[0]
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError("stalled:\n" + proc.communicate()[0][-6000:]) from None
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-4000:]
