@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outputs_dir", default="outputs", help="where the prompt folders go")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole prefix every token (slow; for checks)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step (one graph for every position; pays off over many images)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     return p
@@ -120,6 +125,7 @@ def _generate(args):
                 cond_scale=args.cond_scale,
                 generator=g,
                 use_cache=not args.no_cache,
+                compile=args.compile,
                 prime=None if prime is None else prime.expand(b, -1),
                 on_token=lambda b=b: bar.update(b),
             )

@@ -26,6 +26,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no_cache", action="store_true", help="also time the uncached path")
+    p.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -35,31 +36,58 @@ def main(argv=None):
     text = torch.randint(1, 1024, (args.batch, cfg.text_seq_len), device=device)
     n_params = matmul_params(model)
 
-    def run(use_cache):
-        g = torch.Generator(device).manual_seed(0)
-        generate_image_tokens(model, text, generator=g, use_cache=use_cache)
-
+    modes = {"cache": dict(use_cache=True)}
+    if args.compile:
+        modes["compiled"] = dict(use_cache=True, compile=True)
+    if args.no_cache:
+        modes["no cache"] = dict(use_cache=False)
     results = {}
-    for use_cache in [True, False] if args.no_cache else [True]:
-        run(use_cache)
-        sync(device)
-        t = time.perf_counter()
-        for _ in range(args.repeats):
-            run(use_cache)
-        sync(device)
-        results[use_cache] = (time.perf_counter() - t) / args.repeats
+    with torch.no_grad():
+        for name, kw in modes.items():
+            generate_image_tokens(model, text, generator=torch.Generator(device).manual_seed(0), **kw)  # warm-up
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(args.repeats):
+                generate_image_tokens(model, text, generator=torch.Generator(device).manual_seed(0), **kw)
+            sync(device)
+            results[name] = (time.perf_counter() - t) / args.repeats
+        floor = linear_floor(model, args.batch, device)
     generated = args.batch * cfg.image_seq_len
     bound = 2 * n_params * generated / peak  # seconds at the matmul peak
-    dt = results[True]
     print(
         f"device {device}, fp32, threads {torch.get_num_threads()}; "
         f"{n_params / 1e6:.2f}M matmul parameters, batch {args.batch}"
     )
     print(f"measured dense matmul peak: {peak / 1e9:.1f} GFLOP/s")
-    print(f"KV cache: {dt:.2f} s per batch, {args.batch / dt:.2f} images/s, {generated / dt:.0f} tokens/s")
-    print(f"compute bound: {bound:.3f} s per batch; achieved {bound / dt:.1%} of the bound")
-    if False in results:
-        print(f"without cache: {results[False]:.2f} s per batch ({results[False] / dt:.1f}x slower)")
+    print(f"compute bound: {bound:.3f} s per batch")
+    for name, t in results.items():
+        print(
+            f"{name}: {t:.3f} s per batch, {args.batch / t:.2f} images/s, {generated / t:.0f} tokens/s, "
+            f"{bound / t:.1%} of the bound"
+        )
+    steps = cfg.image_seq_len
+    print(
+        f"the model's linear layers alone, one token row each at batch {args.batch}: {floor * 1e3:.3f} ms per "
+        f"step, {floor * steps:.3f} s per batch = {bound / (floor * steps):.1%} of the bound (the ceiling "
+        "for any decoder at this batch on this device)"
+    )
+
+
+def linear_floor(model, batch: int, device, repeats: int = 200) -> float:
+    """Seconds per decode step spent in the model's nn.Linear layers alone, each on a (batch, in) input:
+    at small batch these matmuls are latency/bandwidth bound, far below the large-matmul peak."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features, device=device) for m in layers]
+    for _ in range(10):
+        for m, x in zip(layers, inputs):
+            m(x)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        for m, x in zip(layers, inputs):
+            m(x)
+    sync(device)
+    return (time.perf_counter() - t) / repeats
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ def generate_image_tokens(
     prime: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    compile: bool = False,
     on_token=None,
 ) -> torch.Tensor:
-    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids."""
+    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. compile: decode with
+    torch.compile'd `decode_step` (one graph for all positions; compiled once per model and batch size)."""
     cfg = model.cfg
     b = text.shape[0]
     guided = cond_scale != 1.0
@@ -62,6 +64,7 @@ def generate_image_tokens(
         if use_cache
         else model.next_image_logits_uncached(rows, image)
     )
+    step = _compiled_decode(model) if compile and use_cache else None
     for k in range(k0, cfg.image_seq_len):
         if guided:
             cond, uncond = logits.chunk(2)
@@ -72,9 +75,20 @@ def generate_image_tokens(
         if on_token is not None:
             on_token()
         if k + 1 < cfg.image_seq_len:
-            logits = (
-                model.decode_one_token(rows, image, cache)
-                if use_cache
-                else model.next_image_logits_uncached(rows, image)
-            )
+            if step is not None:
+                logits = step(new, torch.tensor(cfg.text_seq_len + k + 1, device=text.device), cache)
+            elif use_cache:
+                logits = model.decode_one_token(rows, image, cache)
+            else:
+                logits = model.next_image_logits_uncached(rows, image)
     return image[:b]
+
+
+def _compiled_decode(model):
+    """model.decode_step through torch.compile, kept on the model so that later batches reuse it. Inductor's
+    freezing folds the weights in as constants and prepacks them for the CPU's matmul library."""
+    if getattr(model, "_compiled_decode_step", None) is None:
+        model._compiled_decode_step = torch.compile(
+            model.decode_step, fullgraph=True, dynamic=False, options={"freezing": True}
+        )
+    return model._compiled_decode_step

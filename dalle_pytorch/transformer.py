@@ -98,6 +98,24 @@ def shift_tokens(x: torch.Tensor, text_len: int, fmap: int, start: int = 0) -> t
     return torch.cat([first, second, cur[..., 2 * q :]], dim=-1)
 
 
+def shift_token_at(hist: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int) -> torch.Tensor:
+    """shift_tokens for the one position `pos` (a 0-dim tensor) of the history `hist` (b, n, d): the same
+    features, read with index_select so that the shapes do not depend on the position."""
+    q = hist.shape[-1] // 4
+    img = pos - text_len - 1
+    is_img = img >= 0
+    left = torch.where(is_img & (img % fmap != 0), pos - 1, pos)
+    above = torch.where(img >= fmap, pos - fmap, pos)
+    cur = hist.index_select(1, pos.view(1))  # (b, 1, d)
+    zero = torch.zeros_like(cur[..., :q])
+    text_shift = torch.where(pos > 0, hist.index_select(1, (pos - 1).clamp(min=0).view(1))[..., :q], zero)
+    left_feat = torch.where(left != pos, hist.index_select(1, left.view(1))[..., :q], zero)
+    above_feat = torch.where(above != pos, hist.index_select(1, above.view(1))[..., q : 2 * q], zero)
+    first = torch.where(is_img, left_feat, text_shift)
+    second = torch.where(is_img, above_feat, cur[..., q : 2 * q])
+    return torch.cat([first, second, cur[..., 2 * q :]], dim=-1)
+
+
 class KVCache:
     """Static per-layer key/value buffers (b, h, n_max, d), and the input history token shift needs."""
 
@@ -126,6 +144,8 @@ class Attention(nn.Module):
         b, m, _ = x.shape
         q, k, v = self.to_qkv(x).view(b, m, 3, self.heads, self.dim_head).permute(2, 0, 3, 1, 4)  # (b, h, m, d)
         q, k = self.q_norm(q), self.k_norm(k)
+        if torch.is_tensor(start):  # one position at a tensor index: shapes independent of the position
+            return self._decode_at(q, k, v, mask, angles, cache, layer, start)
         if angles is not None:
             q, k = apply_rotary(q, angles[start : start + m]), apply_rotary(k, angles[start : start + m])
         if cache is not None:
@@ -140,6 +160,19 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask[start : start + m, : start + m], dropout_p=drop
             )
         return self.to_out(out.transpose(1, 2).reshape(b, m, -1))
+
+    def _decode_at(self, q, k, v, mask, angles, cache, layer: int, pos: torch.Tensor):
+        """Decode step (gpt-fast style static cache): write the new key/value at `pos`, attend over the whole
+        buffer with the mask row of `pos` (it hides every key after `pos`). One compiled graph serves all
+        positions; eager, it is as fast as slicing the cache."""
+        at = pos.view(1)
+        if angles is not None:
+            a = angles.index_select(0, at)
+            q, k = apply_rotary(q, a), apply_rotary(k, a)
+        cache.k[layer].index_copy_(2, at, k)
+        cache.v[layer].index_copy_(2, at, v)
+        out = F.scaled_dot_product_attention(q, cache.k[layer], cache.v[layer], attn_mask=mask.index_select(0, at))
+        return self.to_out(out.transpose(1, 2).reshape(q.shape[0], 1, -1))
 
 
 class FeedForward(nn.Module):
@@ -179,6 +212,9 @@ class Block(nn.Module):
             return h
         if hist is None:
             return shift_tokens(h, self.text_len, self.fmap)
+        if torch.is_tensor(start):
+            hist.index_copy_(1, start.view(1), h)
+            return shift_token_at(hist, start, self.text_len, self.fmap)
         m = h.shape[1]
         hist[:, start : start + m] = h
         return shift_tokens(hist[:, : start + m], self.text_len, self.fmap, start=start)

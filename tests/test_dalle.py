@@ -93,6 +93,30 @@ def test_cached_equals_uncached(kw, temperature):
     assert torch.equal(out[0], out[1])
 
 
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_static_decode_step_equals_decode_one_token(kw):
+    """decode_step (tensor position, whole static cache, for torch.compile) gives decode_one_token's logits
+    at every position, with every attention type, rotary positions and token shift."""
+    m = model(**kw)
+    text, image = batch()
+    caches = [m.new_cache(2, "cpu") for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            m.prefill(text, cache)
+        for k in range(1, F * F):
+            sliced = m.decode_one_token(text, image[:, :k], caches[0])
+            static = m.decode_step(image[:, k - 1], torch.tensor(T + k), caches[1])
+            torch.testing.assert_close(static, sliced, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_same_tokens():
+    m = model(shift_tokens=True, rotary_emb=True, attn_types=["full", "axial_row"])
+    text, _ = batch()
+    out = [generate_image_tokens(m, text, generator=torch.Generator().manual_seed(5), compile=c) for c in (False, True)]
+    assert torch.equal(out[0], out[1])
+
+
 def test_priming_keeps_the_prime():
     m = model()
     text, image = batch()
