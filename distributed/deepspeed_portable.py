@@ -34,6 +34,28 @@ def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
+def _masters(engine_optimizer) -> dict[int, tuple[torch.Tensor, int]]:
+    """id(parameter) -> (the fp32 tensor the base optimizer steps for it, its offset there), for DeepSpeed's
+    unpartitioned half-precision optimizers (ZeRO stage 0 with fp16 or bf16): FP16_Optimizer steps one flat
+    fp32 copy per group, FP16_UnfusedOptimizer one fp32 copy per parameter. Other parameters map to none."""
+    out = {}
+    groups = getattr(engine_optimizer, "fp16_groups", None)
+    if groups is not None and hasattr(engine_optimizer, "fp32_groups_flat"):
+        for params, flat in zip(groups, engine_optimizer.fp32_groups_flat):
+            offset = 0
+            for p in params:
+                out[id(p)] = (flat, offset)
+                offset += p.numel()
+    elif groups is not None and hasattr(engine_optimizer, "fp32_groups"):
+        for params, copies in zip(groups, engine_optimizer.fp32_groups):
+            out.update({id(p): (c, 0) for p, c in zip(params, copies)})
+    return out
+
+
+def _view(t: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(-1).narrow(0, offset, like.numel()).view_as(like)
+
+
 def _partitioned(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
@@ -68,15 +90,17 @@ def gather(
     if with_optimizer:
         _link_moments(engine_optimizer)
     params = dict(module.named_parameters())
+    masters = _masters(engine_optimizer)
     model_sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in params}  # buffers
     state = {}
     for name, p in params.items():
         if _partitioned(p):
             weight = safe_get_full_fp32_param(p)
             moments = {k: safe_get_full_optimizer_state(p, k) for k in MOMENTS} if with_optimizer else {}
-        else:
-            weight = p.detach().float()
-            moments = {k: base.state[p][k].detach() for k in MOMENTS} if with_optimizer else {}
+        else:  # the fp32 copy the optimizer steps, or the parameter itself in fp32 without ZeRO
+            src, offset = masters.get(id(p), (p, 0))
+            weight = _view(src, offset, p).float()
+            moments = {k: _view(base.state[src][k], offset, p) for k in MOMENTS} if with_optimizer else {}
         if not keep:
             continue
         model_sd[name] = weight.cpu().clone()
@@ -104,14 +128,16 @@ def init_state(engine_optimizer) -> None:
             g["params"] = []
         for sub_group, p in enumerate(flat):
             base.param_groups[engine_optimizer.sub_group_to_group_id[sub_group]]["params"].append(p)
+    grads = {}  # offloaded optimizers keep persistent gradient buffers on these tensors: put them back
     for g in base.param_groups:
         g["lr"] = 0.0
         for p in g["params"]:
+            grads[id(p)] = p.grad
             p.grad = torch.zeros_like(p)
     base.step()
     for g, (lr, params) in zip(base.param_groups, saved):
         for p in g["params"]:
-            p.grad = None
+            p.grad = grads[id(p)]
         g["lr"], g["params"] = lr, params
     _link_moments(engine_optimizer)
 
@@ -121,14 +147,18 @@ def scatter(module, engine_optimizer, model_sd: dict, optim_sd: dict | None, zer
     master copy and to the model's own (possibly bf16, possibly partitioned) parameters."""
     base = base_optimizer(engine_optimizer)
     params = dict(module.named_parameters())
+    masters = _masters(engine_optimizer)
     if optim_sd is not None:
         init_state(engine_optimizer)
     for name, p in params.items():
         value = model_sd[name]
         with GatheredParameters([p], modifier_rank=0, enabled=zero_stage == 3):
             p.data.copy_(value.to(p.device, p.dtype))
+        src, offset = masters.get(id(p), (p, 0))
         if _partitioned(p):
             safe_set_full_fp32_param(p, value.to(p.device))
+        elif src is not p:
+            _view(src, offset, p).copy_(value)
         if optim_sd is None:
             continue
         saved = optim_sd["state"][name]
@@ -136,7 +166,7 @@ def scatter(module, engine_optimizer, model_sd: dict, optim_sd: dict | None, zer
             if _partitioned(p):
                 safe_set_full_optimizer_state(p, saved[k].to(p.device), k)
             else:
-                base.state[p][k].copy_(saved[k])
+                _view(base.state[src][k], offset, p).copy_(saved[k])
     for name, buf in module.named_buffers():
         if name in model_sd:
             buf.copy_(model_sd[name])

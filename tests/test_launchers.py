@@ -340,3 +340,15 @@ def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
     out = launch("deepspeed", "train_dalle.py", [*z3, "--resume", "auto"])
     assert "portable" in out and "step-00000002 at step 2" in out
     assert_same(full, safe_load(str(tmp_path / "z3" / "dalle" / "dalle.pt"))["weights"])
+
+
+def test_deepspeed_stage0_bf16_checkpoint_resumes_under_zero2(vae_path, tmp_path):
+    """ZeRO stage 0 in bf16 steps fp32 copies of the weights that are not the module's parameters: the
+    portable checkpoint must carry those copies and their Adam moments, or the resumed run drifts."""
+    args = ["--keep_n_checkpoints", "5", "--precision", "bf16"]
+    launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, 4, [*args, "--zero_stage", "0"]))
+    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.pt"))["weights"]
+    restart_from_step_2(tmp_path / "a" / "dalle", tmp_path / "b" / "dalle")
+    resumed = dalle_args(vae_path, str(tmp_path / "b"), 4, 4, [*args, "--zero_stage", "2"])
+    assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*resumed, "--resume", "auto"])
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
