@@ -98,6 +98,15 @@ class Position:
     epoch: int = 0
     samples_in_epoch: int = 0  # samples of this epoch already consumed, by all ranks together
 
+    @classmethod
+    def from_state(cls, state: dict, samples_per_batch: int) -> Position:
+        """The saved position; checkpoints written before positions counted samples held per-rank
+        micro-batches, converted here at the current batch size and world size (exact when unchanged)."""
+        state = dict(state)
+        if "batch_in_epoch" in state:
+            state["samples_in_epoch"] = state.pop("batch_in_epoch") * samples_per_batch
+        return cls(**state)
+
 
 def train(task: Task, cfg, backend, run: RunDir) -> Position:
     """Train `task` with `backend` as `cfg` says; returns where training stopped."""
@@ -107,6 +116,11 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)  # shards split per rank by the dataset
     if streamed and not cfg.steps:
         raise ValueError("streamed WebDataset shards have no known length: set --steps")
+    if streamed and backend.world_size_may_change:
+        raise ValueError(
+            "streamed WebDataset shards are split among the ranks when the run starts, so an elastic run cannot "
+            "stream them: use a caption folder (or export the shards to one) or a fixed number of workers"
+        )
     total = total_steps(cfg, None if streamed else len(task.dataset), backend.world_size)
 
     def make_optimizer(model):  # built by the backend after wrapping: sharding replaces the parameters
@@ -127,10 +141,15 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
     pos = Position()
     for candidate in resolve_resume(cfg.resume, run.checkpoints):
         try:
-            pos = Position(**backend.load_checkpoint(candidate))
+            pos = Position.from_state(backend.load_checkpoint(candidate), cfg.batch_size * backend.world_size)
             run.print(f"resumed from {candidate} at step {pos.step}")
             break
-        except (ValueError, FileNotFoundError, KeyError) as e:  # a damaged checkpoint: fall back to an older one
+        except (
+            ValueError,
+            FileNotFoundError,
+            KeyError,
+            TypeError,
+        ) as e:  # a damaged checkpoint: fall back to an older one
             run.print(f"skipping checkpoint {candidate}: {e}")
     else:
         if cfg.resume and cfg.resume != "auto":

@@ -113,6 +113,11 @@ class Backend(ABC):
     def loss_scale(self) -> float:
         return 1.0
 
+    @property
+    def world_size_may_change(self) -> bool:
+        """True for elastic runs, where workers come and go while training."""
+        return False
+
     def run(self, steps, pos):
         """Run `steps(pos)` (the loop from `pos` to the end) and return its final position. An elastic backend
         calls it again after workers were lost or added, from the position of its last commit."""

@@ -120,7 +120,7 @@ class DeepSpeedBackend(DDPBackend):
     # is the layout the torch and Horovod backends write: full tensors by parameter name through DCP,
     # gathered to rank 0, which reshards to any backend, world size or stage.
     def save_checkpoint(self, directory: str, state: dict) -> None:
-        self.engine.save_checkpoint(directory, tag=TAG, save_latest=False)
+        self.engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
         with_optimizer = portable.has_state(self.engine.optimizer)
         module = self.unwrap(self.engine)
         model_sd, optim_sd = portable.gather(
@@ -146,11 +146,16 @@ class DeepSpeedBackend(DDPBackend):
         return {"world_size": self.world_size, "zero_stage": self.zero_stage}
 
     def load_checkpoint(self, directory: str) -> dict:
-        shared = load_shared_file(directory)
-        if shared.get("deepspeed") == self._layout() and os.path.isdir(os.path.join(directory, TAG)):
-            path, _ = self.engine.load_checkpoint(directory, tag=TAG)
+        native = os.path.isdir(os.path.join(directory, TAG))
+        if native and not os.path.exists(os.path.join(directory, "states.pt")):  # written before the portable copy
+            shared = {"deepspeed": self._layout()}
+        else:
+            shared = load_shared_file(directory)
+        if native and shared.get("deepspeed") == self._layout():
+            path, client = self.engine.load_checkpoint(directory, tag=TAG)
             if path is None:
                 raise ValueError(f"{directory} holds no DeepSpeed checkpoint (tag {TAG})")
+            shared.setdefault("state", client["state"])
         else:
             self._load_portable(directory, shared)
         if os.path.exists(os.path.join(directory, f"rng-rank{self.rank}.pt")):  # absent at a larger world size

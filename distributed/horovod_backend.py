@@ -31,6 +31,7 @@ class HorovodBackend(SingleBackend):
         if not hvd.is_initialized():
             hvd.init()
         if self.elastic:  # ranks come from Horovod's rendezvous and change as workers come and go
+            self._check_elastic_options()
             self.refresh_topology()
             self._joining = _ring_started(training=False)
         elif hvd.size() != self.world_size or hvd.rank() != self.rank:
@@ -38,6 +39,25 @@ class HorovodBackend(SingleBackend):
                 f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}"
             )
         self.device = self._pick_device()
+
+    @property
+    def world_size_may_change(self) -> bool:
+        return self.elastic
+
+    def _check_elastic_options(self) -> None:
+        """What must not depend on the number of workers, since workers come and go and joiners compute it anew."""
+        o = self.options
+        if not o.steps:
+            raise ValueError(
+                "horovodrun --min-np/--max-np: set --steps (with --epochs the step count would change with the workers)"
+            )
+        if o.global_batch_size:
+            raise ValueError(
+                "horovodrun --min-np/--max-np: drop --global_batch_size; the global batch follows the workers "
+                "(--batch_size per worker)"
+            )
+        if o.commit_every < 1:
+            raise ValueError(f"--commit_every must be at least 1 (got {o.commit_every})")
 
     def refresh_topology(self) -> None:
         self.topo = dataclasses.replace(

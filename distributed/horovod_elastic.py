@@ -35,7 +35,7 @@ class ElasticState(State):
 
     def save(self) -> None:
         b = self.backend
-        self._saved = copy.deepcopy(
+        self._saved = _on_cpu(
             {
                 "model": self._module().state_dict(),
                 "optimizer": b.optimizer.state_dict(),
@@ -70,9 +70,10 @@ class ElasticState(State):
         if hvd.broadcast_object(len(b.optimizer.state) > 0, root_rank=0):
             b.init_optimizer_state()  # a joining worker's Adam state, to be overwritten; moves its weights
             sd = b.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
-            tensors = [
-                (f"{i}.{k}", t) for i, st in sorted(sd["state"].items()) for k, t in st.items() if torch.is_tensor(t)
-            ]
+            # rank 0's list: a joiner's fresh state also covers parameters that never had a gradient on rank 0
+            keys = [(i, k) for i, st in sorted(sd["state"].items()) for k, t in st.items() if torch.is_tensor(t)]
+            keys = hvd.broadcast_object(keys, root_rank=0)
+            tensors = [(f"{i}.{k}", sd["state"][i][k]) for i, k in keys]
             hvd.broadcast_parameters(tensors, root_rank=0)
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
             groups = hvd.broadcast_object(hyper)
@@ -97,3 +98,14 @@ class ElasticState(State):
         sums = hvd.allgather(total.view(1))
         if not torch.equal(sums, sums[:1].expand_as(sums)):
             raise RuntimeError(f"elastic sync left the workers with different weights (sums {sums.tolist()})")
+
+
+def _on_cpu(obj):
+    """A copy of a nested state with every tensor on the host: a commit must not double device memory."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return copy.deepcopy(obj)

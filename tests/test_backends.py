@@ -186,3 +186,28 @@ def test_deepspeed_config_from_flags():
             zero_stage=0,
             on_gpu=False,
         )
+
+
+def test_elastic_horovod_refuses_what_depends_on_the_worker_count(monkeypatch):
+    """Workers that join an elastic run compute these anew at another world size: they must not depend on it."""
+    horovod_backend = pytest.importorskip("distributed.horovod_backend")
+    from arguments import Topology
+
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    cases = [
+        (TrainConfig(steps=0), "set --steps"),
+        (TrainConfig(steps=10, batch_size=4, global_batch_size=64), "drop --global_batch_size"),
+        (TrainConfig(steps=10, commit_every=0), "--commit_every must be at least 1"),
+    ]
+    for cfg, message in cases:
+        backend = horovod_backend.HorovodBackend(Topology("horovod"), options=cfg)
+        assert backend.world_size_may_change
+        with pytest.raises(ValueError, match=message):
+            backend._check_elastic_options()
+
+
+def test_positions_of_older_checkpoints_convert_to_samples():
+    from dalle_pytorch.loop import Position
+
+    assert Position.from_state({"step": 3, "epoch": 1, "batch_in_epoch": 5}, 8) == Position(3, 1, 40)
+    assert Position.from_state({"step": 3, "epoch": 1, "samples_in_epoch": 40}, 8) == Position(3, 1, 40)
