@@ -166,14 +166,14 @@ class DeepSpeedBackend(DDPBackend):
     def _load_portable(self, directory: str, shared: dict) -> None:
         if not os.path.isdir(os.path.join(directory, "dcp")):
             raise ValueError(f"{directory} has no dcp/ folder: it holds no portable checkpoint")
-        module = self.unwrap(self.engine)
-        with_optimizer = shared["has_optimizer_state"]
-        if with_optimizer:
-            portable.init_state(self.engine.optimizer)
-        model_sd, optim_sd = portable.gather(module, self.engine.optimizer, self._group_names, with_optimizer)
-        template = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(template, checkpoint_id=os.path.join(directory, "dcp"), no_dist=True)  # every rank reads it whole
-        portable.scatter(module, self.engine.optimizer, template["model"], template.get("optimizer"), self.zero_stage)
+        portable.load(
+            self.unwrap(self.engine),
+            self.engine.optimizer,
+            self._group_names,
+            os.path.join(directory, "dcp"),
+            shared["has_optimizer_state"],
+            self.zero_stage,
+        )
         self.scheduler.load_state_dict(shared["scheduler"])
         if self.precision == "fp16" and shared["scaler"]:
             self.engine.optimizer.loss_scaler.cur_scale = float(shared["scaler"]["scale"])

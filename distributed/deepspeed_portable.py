@@ -12,6 +12,7 @@ ZeRO stage, and their checkpoints resume under DeepSpeed.
 from __future__ import annotations
 
 import torch
+import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.utils import (
     safe_get_full_fp32_param,
@@ -142,39 +143,69 @@ def init_state(engine_optimizer) -> None:
     _link_moments(engine_optimizer)
 
 
-def scatter(module, engine_optimizer, model_sd: dict, optim_sd: dict | None, zero_stage: int) -> None:
-    """Collective: every rank holds the full tensors; each keeps its partition. Weights go to the fp32
-    master copy and to the model's own (possibly bf16, possibly partitioned) parameters."""
+def load(module, engine_optimizer, names: list[list[str]], checkpoint_id: str, with_optimizer: bool, zero_stage: int):
+    """Collective: read a portable checkpoint (DCP, any writer) into the engine, a few parameters at a time:
+    each rank reads the full tensors of a chunk, keeps its partitions, and drops them before the next chunk,
+    so no rank ever holds more than a chunk beyond its own partition."""
     base = base_optimizer(engine_optimizer)
+    if with_optimizer:
+        init_state(engine_optimizer)
+        _link_moments(engine_optimizer)
     params = dict(module.named_parameters())
     masters = _masters(engine_optimizer)
-    if optim_sd is not None:
-        init_state(engine_optimizer)
-    for name, p in params.items():
-        value = model_sd[name]
-        with GatheredParameters([p], modifier_rank=0, enabled=zero_stage == 3):
-            p.data.copy_(value.to(p.device, p.dtype))
-        src, offset = masters.get(id(p), (p, 0))
-        if _partitioned(p):
-            safe_set_full_fp32_param(p, value.to(p.device))
-        elif src is not p:
-            _view(src, offset, p).copy_(value)
-        if optim_sd is None:
-            continue
-        saved = optim_sd["state"][name]
-        for k in MOMENTS:
-            if _partitioned(p):
-                safe_set_full_optimizer_state(p, saved[k].to(p.device), k)
-            else:
-                _view(base.state[src][k], offset, p).copy_(saved[k])
-    for name, buf in module.named_buffers():
-        if name in model_sd:
-            buf.copy_(model_sd[name])
-    if optim_sd is None:
+    step = None
+    order = list(params)
+    for i in range(0, len(order), _CHUNK):
+        chunk = {n: params[n] for n in order[i : i + _CHUNK]}
+        shapes = {n: tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape) for n, p in chunk.items()}
+        sd = {"model": {n: torch.empty(shape) for n, shape in shapes.items()}}
+        if with_optimizer:
+            empty = {n: {"step": torch.zeros(()), **{k: torch.empty(s) for k in MOMENTS}} for n, s in shapes.items()}
+            sd["optimizer"] = {"state": empty}
+        dcp.load(sd, checkpoint_id=checkpoint_id, no_dist=True)
+        for name, p in chunk.items():
+            _set_param(p, sd["model"][name], masters, zero_stage)
+            if with_optimizer:
+                saved = sd["optimizer"]["state"][name]
+                _set_moments(p, saved, base, masters)
+                step = saved["step"]
+    persistent = set(module.state_dict())
+    buffers = {n: b for n, b in module.named_buffers() if n in persistent}
+    if buffers:
+        sd = {"model": {n: b.detach().cpu().clone() for n, b in buffers.items()}}
+        dcp.load(sd, checkpoint_id=checkpoint_id, no_dist=True)
+        for n, b in buffers.items():
+            b.copy_(sd["model"][n])
+    if not with_optimizer:
         return
-    step = optim_sd["state"][next(iter(params))]["step"]
     for s in base.state.values():
         if "step" in s:
             s["step"] = step.clone().to(s["step"].device) if torch.is_tensor(s["step"]) else float(step)
-    for g, saved in zip(base.param_groups, optim_sd["param_groups"]):
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]
+    sd = {"optimizer": {"param_groups": groups}}
+    dcp.load(sd, checkpoint_id=checkpoint_id, no_dist=True)
+    for g, saved in zip(base.param_groups, sd["optimizer"]["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+_CHUNK = 16  # parameters read per DCP call when loading
+
+
+def _set_param(p, value: torch.Tensor, masters: dict, zero_stage: int) -> None:
+    """The model's own (possibly bf16, possibly partitioned) parameter and the fp32 copy the optimizer steps."""
+    with GatheredParameters([p], modifier_rank=0, enabled=zero_stage == 3):
+        p.data.copy_(value.to(p.device, p.dtype))
+    src, offset = masters.get(id(p), (p, 0))
+    if _partitioned(p):
+        safe_set_full_fp32_param(p, value.to(p.device))
+    elif src is not p:
+        _view(src, offset, p).copy_(value)
+
+
+def _set_moments(p, saved: dict, base, masters: dict) -> None:
+    src, offset = masters.get(id(p), (p, 0))
+    for k in MOMENTS:
+        if _partitioned(p):
+            safe_set_full_optimizer_state(p, saved[k].to(p.device), k)
+        else:
+            _view(base.state[src][k], offset, p).copy_(saved[k])
