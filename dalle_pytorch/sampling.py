@@ -25,12 +25,19 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """(b, V) -> (b,) by Gumbel-max (argmax of logits/T + Gumbel noise); greedy when temperature == 0."""
+def pick_token(logits, noise, temperature: float, top_k: int, top_p: float, cond_scale: float) -> torch.Tensor:
+    """One step's choice from the logits of every row (b or 2b, V): guidance, filtering, then Gumbel-max with
+    the uniform noise `noise` (b, V) drawn by the caller (greedy when temperature == 0). Returns the rows'
+    next tokens: with guidance both halves continue with the guided token."""
+    if cond_scale != 1.0:
+        cond, uncond = logits.chunk(2)
+        logits = uncond + (cond - uncond) * cond_scale
+    logits = filter_logits(logits, top_k, top_p)
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(1e-20, 1.0)
-    return (logits / temperature - torch.log(-torch.log(u))).argmax(dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        token = (logits / temperature - torch.log(-torch.log(noise.clamp(1e-20, 1.0)))).argmax(dim=-1)
+    return torch.cat([token, token]) if cond_scale != 1.0 else token
 
 
 @torch.no_grad()
@@ -48,8 +55,8 @@ def generate_image_tokens(
     compile: bool = False,
     on_token=None,
 ) -> torch.Tensor:
-    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. compile: decode with
-    torch.compile'd `decode_step` (one graph for all positions; compiled once per model and batch size)."""
+    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. compile: each step (decode and
+    pick) through torch.compile, one graph for every position, compiled once per model, batch and settings."""
     cfg = model.cfg
     b = text.shape[0]
     guided = cond_scale != 1.0
@@ -64,31 +71,41 @@ def generate_image_tokens(
         if use_cache
         else model.next_image_logits_uncached(rows, image)
     )
-    step = _compiled_decode(model) if compile and use_cache else None
+    settings = (temperature, top_k, top_p, cond_scale)
+    step = _compiled_step(model, settings) if compile and use_cache else None
+    vocab = logits.shape[-1]
+
+    def noise():  # drawn here, in the same order with or without compile, so a seed gives the same images
+        if temperature == 0:
+            return torch.zeros((), device=text.device)
+        return torch.rand((b, vocab), device=text.device, generator=generator)
+
+    new = pick_token(logits, noise(), *settings)
     for k in range(k0, cfg.image_seq_len):
-        if guided:
-            cond, uncond = logits.chunk(2)
-            logits = uncond + (cond - uncond) * cond_scale
-        token = sample_token(filter_logits(logits, top_k, top_p), temperature, generator)  # (b,)
-        new = torch.cat([token, token]) if guided else token  # both halves continue with the guided token
         image = torch.cat([image, new[:, None]], dim=1)
         if on_token is not None:
             on_token()
-        if k + 1 < cfg.image_seq_len:
-            if step is not None:
-                logits = step(new, torch.tensor(cfg.text_seq_len + k + 1, device=text.device), cache)
-            elif use_cache:
-                logits = model.decode_one_token(rows, image, cache)
-            else:
-                logits = model.next_image_logits_uncached(rows, image)
+        if k + 1 == cfg.image_seq_len:
+            break
+        if step is not None:  # decode token k, pick token k + 1, in one compiled graph
+            new = step(new, torch.tensor(cfg.text_seq_len + k + 1, device=text.device), cache, noise())
+            continue
+        if use_cache:
+            logits = model.decode_one_token(rows, image, cache)
+        else:
+            logits = model.next_image_logits_uncached(rows, image)
+        new = pick_token(logits, noise(), *settings)
     return image[:b]
 
 
-def _compiled_decode(model):
-    """model.decode_step through torch.compile, kept on the model so that later batches reuse it. Inductor's
-    freezing folds the weights in as constants and prepacks them for the CPU's matmul library."""
-    if getattr(model, "_compiled_decode_step", None) is None:
-        model._compiled_decode_step = torch.compile(
-            model.decode_step, fullgraph=True, dynamic=False, options={"freezing": True}
-        )
-    return model._compiled_decode_step
+def _compiled_step(model, settings: tuple):
+    """decode_step then pick_token through torch.compile, kept on the model so later batches reuse it.
+    Inductor's freezing folds the weights in as constants and prepacks them for the CPU's matmul library."""
+    compiled = model.__dict__.setdefault("_compiled_steps", {})
+    if settings not in compiled:
+
+        def step(token, pos, cache, noise):
+            return pick_token(model.decode_step(token, pos, cache), noise, *settings)
+
+        compiled[settings] = torch.compile(step, fullgraph=True, dynamic=False, options={"freezing": True})
+    return compiled[settings]
