@@ -313,7 +313,8 @@ def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
 
 def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
     """A ZeRO-2 checkpoint of 2 ranks resumes under Horovod on 2 ranks, in one process, and under ZeRO-3
-    (DeepSpeed's own format cannot change stage); each reaches the uninterrupted run's parameters."""
+    (DeepSpeed's own format cannot change stage), also with the optimizer offloaded; each reaches the
+    uninterrupted run's parameters."""
     base = ["--keep_n_checkpoints", "5"]
     launch(
         "deepspeed",
@@ -340,6 +341,12 @@ def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
     out = launch("deepspeed", "train_dalle.py", [*z3, "--resume", "auto"])
     assert "portable" in out and "step-00000002 at step 2" in out
     assert_same(full, safe_load(str(tmp_path / "z3" / "dalle" / "dalle.pt"))["weights"])
+
+    # the optimizer offloaded to the CPU keeps persistent gradient buffers that loading must not drop
+    restart_from_step_2(run, tmp_path / "off" / "dalle")
+    off = dalle_args(vae_path, str(tmp_path / "off"), 4, steps=4, extra=["--zero_stage", "3", "--offload_optimizer"])
+    assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*off, "--resume", "auto"])
+    assert_same(full, safe_load(str(tmp_path / "off" / "dalle" / "dalle.pt"))["weights"])
 
 
 def test_deepspeed_stage0_bf16_checkpoint_resumes_under_zero2(vae_path, tmp_path):
