@@ -144,12 +144,7 @@ def train(task: Task, cfg, backend, run: RunDir) -> Position:
             pos = Position.from_state(backend.load_checkpoint(candidate), cfg.batch_size * backend.world_size)
             run.print(f"resumed from {candidate} at step {pos.step}")
             break
-        except (
-            ValueError,
-            FileNotFoundError,
-            KeyError,
-            TypeError,
-        ) as e:  # a damaged checkpoint: fall back to an older one
+        except (ValueError, FileNotFoundError, KeyError, TypeError) as e:  # damaged: fall back to an older one
             run.print(f"skipping checkpoint {candidate}: {e}")
     else:
         if cfg.resume and cfg.resume != "auto":

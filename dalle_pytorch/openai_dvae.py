@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .vae import check_images
+
 LOGIT_LAPLACE_EPS = 0.1  # dall_e/utils.py: pixels live in [eps, 1 - eps] for the logit-Laplace likelihood
 
 
@@ -166,15 +168,10 @@ class OpenAIDiscreteVAE(nn.Module):
         self.num_tokens = cfg.vocab_size
         self.channels = cfg.input_channels
 
-    def _check_images(self, images: torch.Tensor) -> None:
-        c, s = self.channels, self.image_size
-        if images.dim() != 4 or tuple(images.shape[1:]) != (c, s, s):
-            raise ValueError(f"expected images of shape (b, {c}, {s}, {s}) in [0, 1], got {tuple(images.shape)}")
-
     @torch.no_grad()
     def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:
         """(b, c, s, s) in [0, 1] -> (b, f*f) long."""
-        self._check_images(images)
+        check_images(images, self.channels, self.image_size)
         return self.enc(map_pixels(images)).argmax(dim=1).flatten(1)
 
     @torch.no_grad()

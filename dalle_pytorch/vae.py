@@ -75,6 +75,13 @@ class ResBlock(nn.Module):
         return self.net(x) + x
 
 
+def check_images(images: torch.Tensor, channels: int, image_size: int) -> None:
+    """Every image tokenizer's input check: (b, channels, image_size, image_size) in [0, 1]."""
+    c, s = channels, image_size
+    if images.dim() != 4 or tuple(images.shape[1:]) != (c, s, s):
+        raise ValueError(f"expected images of shape (b, {c}, {s}, {s}) in [0, 1], got {tuple(images.shape)}")
+
+
 class DiscreteVAE(nn.Module):
     def __init__(self, cfg: VAEConfig):
         super().__init__()
@@ -119,14 +126,9 @@ class DiscreteVAE(nn.Module):
     def channels(self) -> int:
         return self.cfg.channels
 
-    def _check_images(self, images: torch.Tensor) -> None:
-        c, s = self.cfg.channels, self.cfg.image_size
-        if images.dim() != 4 or images.shape[1] != c or images.shape[2] != s or images.shape[3] != s:
-            raise ValueError(f"expected images of shape (b, {c}, {s}, {s}) in [0, 1], got {tuple(images.shape)}")
-
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """(b, c, s, s) in [0, 1] -> (b, num_tokens, f, f)."""
-        self._check_images(images)
+        check_images(images, self.cfg.channels, self.cfg.image_size)
         return self.encoder((images - self.mean) / self.std)
 
     @torch.no_grad()

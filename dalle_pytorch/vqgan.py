@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .vae import check_images
 from .vqgan_modules import Decoder, Encoder
 
 
@@ -140,15 +141,10 @@ class VQGanVAE(nn.Module):
         self.num_tokens = cfg.n_embed
         self.channels = cfg.in_channels
 
-    def _check_images(self, images: torch.Tensor) -> None:
-        c, s = self.channels, self.image_size
-        if images.dim() != 4 or tuple(images.shape[1:]) != (c, s, s):
-            raise ValueError(f"expected images of shape (b, {c}, {s}, {s}) in [0, 1], got {tuple(images.shape)}")
-
     @torch.no_grad()
     def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:
         """(b, c, s, s) in [0, 1] -> (b, f*f) long."""
-        self._check_images(images)
+        check_images(images, self.channels, self.image_size)
         return self.model.encode_codes(images * 2 - 1).flatten(1)
 
     @torch.no_grad()

@@ -110,15 +110,18 @@ def gather(
             state[name] = {"step": _adam_step(base).detach().cpu().clone(), **moments}
     if not with_optimizer:
         return model_sd, None
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]
-    return model_sd, {"state": state, "param_groups": groups}
+    return model_sd, {"state": state, "param_groups": _named_groups(base, names)}
+
+
+def _named_groups(base, names: list[list[str]]) -> list[dict]:
+    """The optimizer's param groups as get_optimizer_state_dict writes them: hyperparameters and names."""
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]
 
 
 def init_state(engine_optimizer) -> None:
     """Create the optimizer's state (it is made lazily at the first step) so that it can be overwritten:
     one step on zero gradients at learning rate 0, which moves no weight (torch's DCP does the same in
-    torch.distributed.checkpoint.state_dict._init_optim_state). ZeRO-1/2 link the flat state to each
-    parameter's fragment after a step; that link is made here too."""
+    torch.distributed.checkpoint.state_dict._init_optim_state). Call _link_moments after it (ZeRO-1/2)."""
     if has_state(engine_optimizer):
         return
     base = base_optimizer(engine_optimizer)
@@ -140,7 +143,6 @@ def init_state(engine_optimizer) -> None:
         for p in g["params"]:
             p.grad = grads[id(p)]
         g["lr"], g["params"] = lr, params
-    _link_moments(engine_optimizer)
 
 
 def load(module, engine_optimizer, names: list[list[str]], checkpoint_id: str, with_optimizer: bool, zero_stage: int):
@@ -181,8 +183,7 @@ def load(module, engine_optimizer, names: list[list[str]], checkpoint_id: str, w
     for s in base.state.values():
         if "step" in s:
             s["step"] = step.clone().to(s["step"].device) if torch.is_tensor(s["step"]) else float(step)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]
-    sd = {"optimizer": {"param_groups": groups}}
+    sd = {"optimizer": {"param_groups": _named_groups(base, names)}}
     dcp.load(sd, checkpoint_id=checkpoint_id, no_dist=True)
     for g, saved in zip(base.param_groups, sd["optimizer"]["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})

@@ -144,7 +144,7 @@ class HorovodBackend(SingleBackend):
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self) -> None:
-        if self._joining:  # the running workers wait in the state sync, not here (see _job_flag)
+        if self._joining:  # the running workers wait in the state sync, not here (see _ring_started)
             return
         hvd.barrier()
 
