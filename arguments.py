@@ -1,20 +1,19 @@
-"""Command-line flags -> typed configs, and the process topology read from whichever launcher started us.
+"""Command-line flags -> typed configs.
 
-Every run flag is a dataclass field with a default and a help text; `parse(argv, *configs)` builds the
-parser from the dataclasses so the flags, the defaults and `config.json` cannot drift apart.
+Every run flag is a dataclass field with a default and a help text; `build_parser(description, *configs)`
+builds the parser from the dataclasses (and adds each backend's own options), so the flags, the defaults and
+`config.json` cannot drift apart. The process topology itself is read in distributed/topology.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import re
 from dataclasses import dataclass
 
-from dalle_pytorch.config_utils import flag
+from dalle_pytorch.config import flag
+from distributed import BACKENDS, DeepSpeedOptions, HorovodOptions, StepOptions
 
-BACKENDS = ("auto", "single", "ddp", "fsdp", "deepspeed", "horovod")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -48,22 +47,9 @@ class TrainConfig:
     # distribution
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)
     threads: int = flag(0, "torch CPU threads per process; 0 splits the cores among local ranks")
-    # DeepSpeed
-    zero_stage: str = flag(
-        "auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3")
-    )
-    offload_optimizer: bool = flag(False, "DeepSpeed: keep optimizer states in CPU memory")
-    offload_params: bool = flag(False, "DeepSpeed ZeRO-3: keep parameters in CPU memory")
-    deepspeed_config: str = flag("", "a DeepSpeed JSON config; our flags fill only what it leaves out")
+    # fp16 dynamic loss scaling, on every backend
     initial_scale_power: int = flag(16, "fp16 dynamic loss scale starts at 2**N")
     loss_scale_window: int = flag(1000, "fp16: steps without overflow before the loss scale grows")
-    hysteresis: int = flag(2, "fp16 (DeepSpeed): overflows tolerated before the loss scale drops")
-    min_loss_scale: float = flag(1.0, "fp16: the loss scale never drops below this")
-    # Horovod
-    horovod_compression: str = flag("none", "Horovod gradient compression for the allreduce", choices=("none", "fp16"))
-    commit_every: int = flag(
-        10, "Horovod elastic: steps between in-memory state commits; a lost worker costs at most this many steps"
-    )
     # outputs
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")
@@ -88,6 +74,28 @@ class TrainConfig:
         if self.clip_grad_norm < 0:
             raise ValueError(f"--clip_grad_norm must be >= 0 (got {self.clip_grad_norm})")
 
+    def check_elastic(self) -> None:
+        """What must not depend on the number of workers, since workers come and go and joiners compute it anew."""
+        if not self.steps:
+            raise ValueError(
+                "horovodrun --min-np/--max-np: set --steps (with --epochs the step count would change with the workers)"
+            )
+        if self.global_batch_size:
+            raise ValueError(
+                "horovodrun --min-np/--max-np: drop --global_batch_size; the global batch follows the workers "
+                "(--batch_size per worker)"
+            )
+
+    def step_options(self, world_size: int) -> StepOptions:
+        return StepOptions(
+            precision=self.precision,
+            accumulation_steps=self.accumulation_steps(world_size),
+            clip_grad_norm=self.clip_grad_norm,
+            micro_batch=self.batch_size,
+            initial_scale_power=self.initial_scale_power,
+            loss_scale_window=self.loss_scale_window,
+        )
+
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that batch_size x world_size x steps == global_batch_size."""
         if self.global_batch_size == 0:
@@ -99,126 +107,6 @@ class TrainConfig:
                 f"= {self.batch_size} x {world_size} = {per_step}: change one of them"
             )
         return self.global_batch_size // per_step
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits, as the launcher described it."""
-
-    launcher: str  # none, torchrun, deepspeed, horovod, mpi, slurm
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-
-
-def _int(env, *names, default=0) -> int:
-    for n in names:
-        if n in env and env[n] != "":
-            return int(env[n])
-    return default
-
-
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist: 'gpu[01-04,07],cpu1' -> 'gpu01'."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
-        return "127.0.0.1"
-    prefix, _, ranges = m.groups()
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
-
-
-def topology_from_env(env: dict | None = None) -> Topology:
-    """Read rank, world size, local rank, node and master address from the launcher's variables."""
-    env = dict(os.environ if env is None else env)
-    port = _int(env, "MASTER_PORT", default=29500)
-    addr = env.get("MASTER_ADDR", "127.0.0.1")
-    if "HOROVOD_RANK" in env:
-        return Topology(
-            "horovod",
-            _int(env, "HOROVOD_RANK"),
-            _int(env, "HOROVOD_SIZE", default=1),
-            _int(env, "HOROVOD_LOCAL_RANK"),
-            _int(env, "HOROVOD_LOCAL_SIZE", default=1),
-            _int(env, "HOROVOD_CROSS_RANK"),
-            env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", addr),
-            port,
-        )
-    if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
-        return Topology(
-            "torchrun",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE", default=1),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_WORLD_SIZE", default=1),
-            _int(env, "GROUP_RANK"),
-            addr,
-            port,
-        )
-    if "CROSS_RANK" in env and "RANK" in env:  # the deepspeed launcher
-        return Topology(
-            "deepspeed",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE", default=1),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_SIZE", default=1),
-            _int(env, "CROSS_RANK"),
-            addr,
-            port,
-        )
-    if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
-        return Topology(
-            "mpi",
-            _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
-            _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1),
-            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
-            _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=1),
-            _int(env, "OMPI_COMM_WORLD_NODE_RANK"),
-            addr,
-            port,
-        )
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
-        return Topology(
-            "slurm",
-            _int(env, "SLURM_PROCID"),
-            _int(env, "SLURM_NTASKS", default=1),
-            _int(env, "SLURM_LOCALID"),
-            _int(env, "SLURM_NTASKS_PER_NODE", default=1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
-            _int(env, "SLURM_NODEID"),
-            env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            port,
-        )
-    if _int(env, "WORLD_SIZE", default=1) > 1:  # a hand-made torch.distributed environment
-        return Topology(
-            "torchrun",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE"),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_WORLD_SIZE", default=1),
-            0,
-            addr,
-            port,
-        )
-    return Topology("none")
-
-
-def resolve_backend(requested: str, topo: Topology) -> str:
-    """The backend to use: the requested one, or for 'auto' the one that matches the launcher."""
-    if requested not in BACKENDS:
-        raise ValueError(f"--distributed_backend must be one of {', '.join(BACKENDS)} (got {requested!r})")
-    if requested != "auto":
-        if requested == "single" and topo.world_size > 1:
-            raise ValueError(
-                f"--distributed_backend single under a {topo.launcher} launch of {topo.world_size} processes would "
-                "train N unsynchronized copies: use ddp, fsdp, deepspeed or horovod"
-            )
-        return requested
-    return {"none": "single", "torchrun": "ddp", "slurm": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
-        topo.launcher, "horovod" if topo.launcher == "mpi" else "single"
-    )
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -248,7 +136,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
 def build_parser(description: str, *configs: tuple[type, str], extra=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    for cls, title in configs:
+    for cls, title in (*configs, (DeepSpeedOptions, "DeepSpeed"), (HorovodOptions, "Horovod")):
         _add_fields(parser, cls, title)
     if extra:
         extra(parser)
@@ -258,3 +146,8 @@ def build_parser(description: str, *configs: tuple[type, str], extra=None) -> ar
 def take(ns: argparse.Namespace, cls):
     """The dataclass `cls` filled from the parsed flags that name its fields."""
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+def take_backend_options(ns: argparse.Namespace) -> dict:
+    """Each backend's own options from the parsed flags: {"deepspeed": DeepSpeedOptions, "horovod": HorovodOptions}."""
+    return {"deepspeed": take(ns, DeepSpeedOptions), "horovod": take(ns, HorovodOptions)}

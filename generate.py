@@ -72,7 +72,7 @@ def read_prompts(args) -> list[str]:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from dalle_pytorch.cli import user_errors
+    from dalle_pytorch.errors import user_errors
 
     with user_errors(args.debug):
         return _generate(args)
@@ -83,9 +83,9 @@ def _generate(args):
     from torchvision.utils import save_image
     from tqdm import tqdm
 
-    from dalle_pytorch.dalle_task import load_dalle
-    from dalle_pytorch.data import image_transform
-    from dalle_pytorch.sampling import generate_image_tokens
+    from dalle_pytorch.data.folders import image_transform
+    from dalle_pytorch.models.sampling import generate_image_tokens
+    from dalle_pytorch.training.export import load_dalle
 
     prompts = read_prompts(args)
     if args.num_images < 1 or args.batch_size < 1:

@@ -14,19 +14,14 @@ and a fingerprint of their weights, and generate.py reads the files again.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
+import dataclasses
 import os
-import time
 from dataclasses import dataclass
 
-import torch
-
-from arguments import TrainConfig, build_parser, take
-from dalle_pytorch.cli import distributed_run, user_errors
-from dalle_pytorch.config_utils import flag
-from dalle_pytorch.dalle import DALLE, DALLEConfig
+from arguments import TrainConfig, build_parser, take, take_backend_options
+from dalle_pytorch.config import flag
+from dalle_pytorch.errors import user_errors
+from dalle_pytorch.models.dalle import DALLE, DALLEConfig
 
 DEFAULT_SAMPLE_CAPTIONS = [
     "a large red circle on the left",
@@ -73,153 +68,63 @@ def main(argv=None):
     parser.set_defaults(learning_rate=1e-3, batch_size=32, warmup_steps=50, name="dalle", weight_decay=0.01)
     ns = parser.parse_args(argv)
     with user_errors(ns.debug):
-        return _train(take(ns, DALLEConfig), take(ns, DALLERunConfig), take(ns, TrainConfig))
+        return _train(take(ns, DALLEConfig), take(ns, DALLERunConfig), take(ns, TrainConfig), take_backend_options(ns))
 
 
-def _captions_for_bpe(dataset, limit: int = 20000) -> list[str]:
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        return [caption for _, caption in itertools.islice(iter(dataset), limit)]
-    return [
-        dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))
-    ]
+def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict):
+    from dalle_pytorch.data.build import build_dataset, build_text_tokenizer, describe
+    from dalle_pytorch.data.tokenized import tokenized
+    from dalle_pytorch.training.build import check_same_tokenizer, load_image_tokenizer, precomputed, tokenizer_flag
+    from dalle_pytorch.training.dalle_task import DALLETask
+    from dalle_pytorch.training.loop import train
+    from dalle_pytorch.training.session import distributed_run
 
-
-def _tokenizer(run_cfg: DALLERunConfig, dataset, run, backend):
-    from dalle_pytorch.tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer
-
-    if run_cfg.bpe_path:
-        return (HugTokenizer if run_cfg.hug else YttmTokenizer).from_file(run_cfg.bpe_path)
-    if run_cfg.tokenizer == "byte":
-        return ByteTokenizer()
-    path = os.path.join(run.path, "bpe.yttm")
-    if backend.is_main:  # train once, on rank 0, then every rank loads the same file
-        YttmTokenizer.train(_captions_for_bpe(dataset), run_cfg.bpe_vocab_size, path)
-        run.print(f"trained a {run_cfg.bpe_vocab_size}-token BPE on the captions: {path}")
-    backend.barrier()
-    return YttmTokenizer.from_file(path)
-
-
-def vae_fingerprint(export: dict) -> str:
-    """A short hash of the VAE's config and weights: resuming with another VAE would silently change the
-    meaning of every image token."""
-    h = hashlib.sha1(json.dumps(export["config"], sort_keys=True).encode())
-    for name in sorted(export["weights"]):
-        h.update(name.encode())
-        h.update(export["weights"][name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def tokenizer_flag(run_cfg: DALLERunConfig) -> str:
-    """The flags that chose the image tokenizer, for messages."""
-    if run_cfg.taming:
-        return f"--taming --vqgan_model_path {run_cfg.vqgan_model_path}"
-    if run_cfg.openai_vae_path:
-        return f"--openai_vae_path {run_cfg.openai_vae_path}"
-    return f"--vae_path {run_cfg.vae_path}"
-
-
-def _check_same_vae(run_dir: str, vae_id: str, vae_flag: str) -> None:
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        recorded = json.load(f).get("vae_fingerprint")
-    if recorded and recorded != vae_id:
-        raise ValueError(
-            f"{vae_flag} is not the VAE this run was trained with (fingerprint {vae_id}, the run "
-            f"recorded {recorded}): pass the original VAE, or start a new run with another --name"
-        )
-
-
-def _precomputed(dataset, vae, vae_id: str, run, backend):
-    """Image tokens of the whole dataset, computed once on rank 0 and cached in the run directory."""
-    from dalle_pytorch.checkpoints import atomic_save, safe_load
-    from dalle_pytorch.dalle_task import PrecomputedTokens, precompute_tokens
-
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        raise ValueError(
-            "--precompute_tokens needs a caption folder or the built-in dataset, not streamed --wds shards"
-        )
-    path = os.path.join(run.path, "tokens.pt")
-    if backend.is_main:
-        cached = safe_load(path) if os.path.exists(path) else None
-        if cached is None or cached["vae_fingerprint"] != vae_id or len(cached["text"]) != len(dataset):
-            t = time.perf_counter()
-            data = precompute_tokens(dataset, vae.to(backend.device))
-            atomic_save({"vae_fingerprint": vae_id, "image_tokens": data.image_tokens, "text": data.text}, path)
-            run.print(f"precomputed image tokens of {len(data)} samples in {time.perf_counter() - t:.1f}s: {path}")
-    backend.barrier()
-    cached = safe_load(path)
-    return PrecomputedTokens(cached["image_tokens"], cached["text"])
-
-
-def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig):
-    from dalle_pytorch.dalle_task import DALLETask
-    from dalle_pytorch.data import CaptionFolder
-    from dalle_pytorch.loop import train
-    from dalle_pytorch.pretrained import load_image_tokenizer
-    from dalle_pytorch.shapes import ShapesDataset
-
-    vae, vae_export = load_image_tokenizer(vars(run_cfg))
-    pretrained = "weights" not in vae_export  # a pretrained tokenizer's record: config, paths, fingerprint
-    vae_id = vae_export["fingerprint"] if pretrained else vae_fingerprint(vae_export)
+    flags = vars(run_cfg)
+    vae, vae_export, vae_id = load_image_tokenizer(flags)
     if cfg.resume:
-        _check_same_vae(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(run_cfg))
+        check_same_tokenizer(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(flags))
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
-    if pretrained:  # convert.py copies it into an export without reading the tokenizer's weights again
+    if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
-    with distributed_run(cfg, "dalle", configs) as (backend, run):
-        if run_cfg.wds:
-            if not run_cfg.image_text_folder:
-                raise ValueError("--wds needs the shard URLs in --image_text_folder, e.g. 'shards/{000..099}.tar'")
-            if "," not in run_cfg.wds:
-                raise ValueError(
-                    f"--wds must name the image and caption keys, as in --wds jpg,txt (got {run_cfg.wds!r})"
-                )
-            from dalle_pytorch.wds import WebDatasetPairs
-
-            dataset = WebDatasetPairs(
-                run_cfg.image_text_folder,
-                run_cfg.wds,
-                vae.image_size,
-                vae.channels,
-                run_cfg.resize_ratio,
-                backend.rank,
-                backend.world_size,
-                cfg.seed,
-            )
-        elif run_cfg.image_text_folder:
-            dataset = CaptionFolder(run_cfg.image_text_folder, vae.image_size, vae.channels, run_cfg.resize_ratio)
-        else:
-            dataset = ShapesDataset(cfg.dataset_size, vae.image_size, seed=cfg.seed)
-        size = f"{len(dataset.shards)} shards" if run_cfg.wds else f"{len(dataset)} pairs"
-        run.print(f"data: {size} from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
-        tokenizer = _tokenizer(run_cfg, dataset, run, backend)
-        model_cfg.num_text_tokens = tokenizer.vocab_size
-        model_cfg.num_image_tokens = vae.num_tokens
-        model_cfg.image_fmap_size = vae.fmap_size
+    with distributed_run(cfg, "dalle", configs, backend_options) as (backend, recovery, run):
+        pairs = build_dataset(
+            run_cfg.image_text_folder,
+            run_cfg.wds,
+            True,
+            vae.image_size,
+            vae.channels,
+            run_cfg.resize_ratio,
+            rank=backend.rank,
+            world_size=backend.world_size,
+            seed=cfg.seed,
+            dataset_size=cfg.dataset_size,
+            folder_flag="--image_text_folder",
+        )
+        run.print(f"data: {describe(pairs)} from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
+        tokenizer = build_text_tokenizer(
+            flags, run.path, pairs, bool(cfg.resume), backend.is_main, backend.barrier, run.print
+        )
+        model_cfg = dataclasses.replace(
+            model_cfg,
+            num_text_tokens=tokenizer.vocab_size,
+            num_image_tokens=vae.num_tokens,
+            image_fmap_size=vae.fmap_size,
+        )
         run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
         n_params = sum(p.numel() for p in dalle.parameters())
-        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(run_cfg)}")
-        task = DALLETask(
-            dalle,
-            vae,
-            vae_export,
-            tokenizer,
-            dataset,
-            run_cfg.dalle_output or os.path.join(run.path, "dalle.pt"),
-            run_cfg.sample_captions,
-            cfg.seed,
-        )
+        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
+        dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
         if run_cfg.precompute_tokens:
-            task.dataset = _precomputed(task.dataset, vae, vae_id, run, backend)
-        pos = train(task, cfg, backend, run)
-        skipped = getattr(dataset, "num_skipped", 0)
+            dataset = precomputed(dataset, vae, vae_id, run, backend)
+        export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.pt")
+        task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed)
+        pos = train(task, cfg, backend, recovery, run)
+        skipped = getattr(pairs, "num_skipped", 0)
         if skipped:
             run.print(f"skipped {skipped} unreadable samples")
-        if task.dataset.truncated.value:
-            run.print(f"truncated {task.dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
+        if dataset.truncated.value:
+            run.print(f"truncated {dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from arguments import TrainConfig, build_parser, take
-from dalle_pytorch.cli import distributed_run, user_errors
-from dalle_pytorch.config_utils import flag
-from dalle_pytorch.vae import DiscreteVAE, VAEConfig
+from arguments import TrainConfig, build_parser, take, take_backend_options
+from dalle_pytorch.config import flag
+from dalle_pytorch.errors import user_errors
+from dalle_pytorch.models.vae import DiscreteVAE, VAEConfig
 
 
 @dataclass
@@ -41,51 +41,40 @@ def main(argv=None):
     _defaults(parser)
     ns = parser.parse_args(argv)
     with user_errors(ns.debug):
-        return _train(take(ns, VAEConfig), take(ns, VAERunConfig), take(ns, TrainConfig))
+        return _train(take(ns, VAEConfig), take(ns, VAERunConfig), take(ns, TrainConfig), take_backend_options(ns))
 
 
-def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig):
-    from dalle_pytorch.data import ImageFolder
-    from dalle_pytorch.loop import total_steps, train
-    from dalle_pytorch.shapes import ShapesDataset
-    from dalle_pytorch.vae_task import VAETask
+def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backend_options: dict):
+    from dalle_pytorch.data.build import build_dataset, describe
+    from dalle_pytorch.training.loop import total_steps, train
+    from dalle_pytorch.training.session import distributed_run
+    from dalle_pytorch.training.vae_task import VAETask
 
-    with distributed_run(cfg, "vae", {"model": model_cfg, "vae": run_cfg, "train": cfg}) as (backend, run):
-        if run_cfg.wds:
-            from dalle_pytorch.wds import WebDatasetPairs
-
-            if not run_cfg.image_folder:
-                raise ValueError("--wds needs the shard URLs in --image_folder, e.g. 'shards/{000..099}.tar'")
-            key = run_cfg.wds.split(",")[0]
-            dataset = WebDatasetPairs(
-                run_cfg.image_folder,
-                key,
-                model_cfg.image_size,
-                model_cfg.channels,
-                run_cfg.resize_ratio,
-                backend.rank,
-                backend.world_size,
-                cfg.seed,
-            )
-        elif run_cfg.image_folder:
-            dataset = ImageFolder(run_cfg.image_folder, model_cfg.image_size, model_cfg.channels, run_cfg.resize_ratio)
-        else:
-            if model_cfg.channels != 3:
-                raise ValueError("the built-in dataset is RGB: use --channels 3 or give --image_folder")
-            dataset = ShapesDataset(cfg.dataset_size, model_cfg.image_size, seed=cfg.seed)
-        size = f"{len(dataset.shards)} shards" if run_cfg.wds else f"{len(dataset)} images"
-        run.print(f"data: {size} from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
-        vae = DiscreteVAE(model_cfg)
-        anneal = run_cfg.anneal_steps or cfg.steps or 0
+    configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
+    with distributed_run(cfg, "vae", configs, backend_options) as (backend, recovery, run):
+        dataset = build_dataset(
+            run_cfg.image_folder,
+            run_cfg.wds,
+            False,
+            model_cfg.image_size,
+            model_cfg.channels,
+            run_cfg.resize_ratio,
+            rank=backend.rank,
+            world_size=backend.world_size,
+            seed=cfg.seed,
+            dataset_size=cfg.dataset_size,
+            folder_flag="--image_folder",
+        )
+        run.print(f"data: {describe(dataset)} from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
+        # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
+        anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
         task = VAETask(
-            vae,
+            DiscreteVAE(model_cfg),
             dataset,
             run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
             (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
         )
-        if not anneal:  # anneal over the whole run, counted as the loop counts it
-            task.anneal_steps = total_steps(cfg, len(dataset), backend.world_size)
-        pos = train(task, cfg, backend, run)
+        pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:
             run.print(f"skipped {skipped} unreadable images")

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dalle_pytorch.dalle import DALLEConfig  # noqa: E402
+from dalle_pytorch.models.dalle import DALLEConfig  # noqa: E402
 
 
 def matmul_flops(n: int = 2048, dtype=torch.float32, device="cpu", seconds: float = 3.0) -> float:

@@ -14,8 +14,8 @@ import time
 import torch
 from common import add_model_args, matmul_flops, matmul_params, model_config, sync
 
-from dalle_pytorch.dalle import DALLE
-from dalle_pytorch.sampling import generate_image_tokens
+from dalle_pytorch.models.dalle import DALLE
+from dalle_pytorch.models.sampling import generate_image_tokens
 
 
 def main(argv=None):

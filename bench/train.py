@@ -15,8 +15,9 @@ import time
 import torch
 from common import add_model_args, matmul_flops, matmul_params, model_config, sync
 
-from dalle_pytorch.dalle import DALLE
-from dalle_pytorch.loop import param_groups, peak_memory_mb
+from dalle_pytorch.models.dalle import DALLE
+from dalle_pytorch.training.loop import param_groups
+from dalle_pytorch.training.metrics import peak_memory_mb
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dalle_pytorch.dalle import DALLE, DALLEConfig  # noqa: E402
+from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
 from distributed.deepspeed_config import build_config  # noqa: E402
 
 

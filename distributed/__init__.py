@@ -1,35 +1,93 @@
-"""One Backend interface, one file per backend. `make_backend` picks and builds one lazily, so that
-heavy optional packages (deepspeed, horovod) are imported only when asked for."""
+"""One Backend interface, one file per backend. `make_backend` picks and builds one lazily, so that heavy
+optional packages (deepspeed, horovod) are imported only when asked for; `make_recovery` says how the loop
+is run (once, or again after workers were lost or added); `read_weights` reads any backend's checkpoint."""
 
 from __future__ import annotations
 
-from arguments import Topology, resolve_backend
+from .base import Backend, Recovery, StepOptions, StepResult
+from .deepspeed_config import DeepSpeedOptions
+from .horovod_config import HorovodOptions
+from .topology import BACKENDS, Topology, resolve_backend, set_threads, topology_from_env
 
-from .base import Backend
 
-
-def make_backend(name: str, topo: Topology, **kw) -> Backend:
-    """The backend `name` ('auto' resolves from the launcher), not yet set up."""
+def make_backend(
+    name: str,
+    topo: Topology,
+    opts: StepOptions = StepOptions(),
+    deepspeed: DeepSpeedOptions | None = None,
+    horovod: HorovodOptions | None = None,
+) -> Backend:
+    """The backend `name` ('auto' resolves from the launcher), not yet set up; each takes its own options."""
     name = resolve_backend(name, topo)
     if name == "single":
-        from .single import SingleBackend as cls
-    elif name == "ddp":
-        from .torch_ddp import DDPBackend as cls
-    elif name == "fsdp":
-        from .torch_fsdp import FSDPBackend as cls
-    elif name == "deepspeed":
+        from .single import SingleBackend
+
+        return SingleBackend(topo, opts)
+    if name == "ddp":
+        from .torch_ddp import DDPBackend
+
+        return DDPBackend(topo, opts)
+    if name == "fsdp":
+        from .torch_fsdp import FSDPBackend
+
+        return FSDPBackend(topo, opts)
+    if name == "deepspeed":
         try:
-            from .deepspeed_backend import DeepSpeedBackend as cls
+            from .deepspeed_backend import DeepSpeedBackend
         except ImportError as e:
             raise ImportError(f"--distributed_backend deepspeed needs deepspeed ({e}): run `make install`") from None
-    elif name == "horovod":
+        return DeepSpeedBackend(topo, opts, deepspeed)
+    if name == "horovod":
         try:
-            from .horovod_backend import HorovodBackend as cls
+            from .horovod_backend import HorovodBackend
         except ImportError as e:
             raise ImportError(f"--distributed_backend horovod needs horovod ({e}): run `make install`") from None
-    else:
-        raise ValueError(f"unknown --distributed_backend {name}")
-    return cls(topo, **kw)
+        return HorovodBackend(topo, opts, horovod)
+    raise ValueError(f"unknown --distributed_backend {name}")
 
 
-__all__ = ["Backend", "make_backend"]
+def make_recovery(backend: Backend, horovod: HorovodOptions | None = None) -> Recovery:
+    """Horovod elastic (horovodrun --min-np/--max-np) re-runs the loop from its last commit when workers come
+    or go; every other run goes once."""
+    if getattr(backend, "elastic", False):
+        from .horovod_elastic import ElasticRecovery
+
+        horovod = horovod or HorovodOptions()
+        horovod.validate()
+        return ElasticRecovery(backend, horovod.commit_every)
+    return Recovery()
+
+
+def read_weights(ckpt_dir: str) -> dict:
+    """Full model weights (CPU, fp32) from a resume checkpoint directory of any backend, without a process
+    group: the DCP copy every backend writes, or DeepSpeed's own ZeRO shards."""
+    from .checkpoint_io import read_dcp_weights
+
+    weights = read_dcp_weights(ckpt_dir)
+    if weights is None:
+        try:
+            from .deepspeed_backend import read_weights as read_zero_weights
+        except ImportError:
+            read_zero_weights = lambda _: None  # noqa: E731
+        weights = read_zero_weights(ckpt_dir)
+    if weights is None:
+        raise FileNotFoundError(f"{ckpt_dir} holds no checkpoint: expected a dcp/ folder (or DeepSpeed's) inside")
+    return weights
+
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "DeepSpeedOptions",
+    "HorovodOptions",
+    "Recovery",
+    "StepOptions",
+    "StepResult",
+    "Topology",
+    "make_backend",
+    "make_recovery",
+    "read_weights",
+    "resolve_backend",
+    "set_threads",
+    "topology_from_env",
+]

@@ -1,37 +1,84 @@
-"""The Backend interface the training loop talks to. One subclass per backend, one file each.
+"""The Backend interface the training loop talks to, and the parts the backends are assembled from.
 
 Shaped after DeepSpeed's engine (it owns loss scaling, accumulation and the step), which every other
-backend can express, so the loop never asks which backend it has.
+backend can express, so the loop never asks which backend it has. A backend is a topology plus three
+parts: its collectives, its stepper (backward and the optimizer step) and its checkpointer; prepare()
+wraps the model and assembles them. The torch backends share TorchStepper and TorchCheckpointer
+(torch_parts.py); DeepSpeed's engine brings its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
-from arguments import Topology
+from .topology import Topology, pick_device
 
 
-class Backend(ABC):
-    name: str = "base"
+@dataclass(frozen=True)
+class StepOptions:
+    """What every backend's step needs from the run's flags."""
 
-    def __init__(
-        self,
-        topo: Topology,
-        precision: str = "fp32",
-        accumulation_steps: int = 1,
-        clip_grad_norm: float = 0.0,
-        options=None,
-    ):
-        self.topo = topo
-        self.options = options  # the run's TrainConfig: backend-specific flags (zero_stage, compression, ...)
-        self.precision = precision
-        self.accumulation_steps = accumulation_steps
-        self.clip_grad_norm = clip_grad_norm
+    precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and dynamic loss scaling)
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float = 0.0  # 0: no clipping
+    micro_batch: int = 1  # samples per micro-batch on this process
+    initial_scale_power: int = 16  # fp16: the loss scale starts at 2**N
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+
+
+class StepResult(NamedTuple):
+    grad_norm: torch.Tensor  # global norm before clipping, a tensor: read only when logging
+    skipped: torch.Tensor  # bool tensor: fp16 overflow skipped the step
+    loss_scale: float  # 1.0 unless fp16
+
+
+class Collectives(Protocol):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor: ...
+    def broadcast_object(self, obj, src: int = 0): ...
+    def barrier(self) -> None: ...
+
+
+class Stepper(Protocol):
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> StepResult: ...
+
+
+class Checkpointer(Protocol):
+    def save(self, directory: str, state: dict) -> None: ...
+    def load(self, directory: str) -> dict: ...
+
+
+class Local:
+    """The collectives of one process: identities."""
+
+    def all_reduce(self, tensor, op="mean"):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        return tensor
+
+    def broadcast_object(self, obj, src=0):
+        return obj
+
+    def barrier(self) -> None:
+        pass
+
+
+class Backend:
+    """One process's view of the job. Subclasses implement setup() and prepare() and, where they wrap or shard
+    the model, accumulate(), full_params() and full_state_dict(); the rest delegates to the parts."""
+
+    name = "base"
+
+    def __init__(self, topo: Topology, opts: StepOptions = StepOptions()):
+        self.topo, self.opts = topo, opts
         self.device = torch.device("cpu")
+        self.collectives: Collectives = Local()
+        self.stepper: Stepper | None = None  # set by prepare()
+        self.checkpointer: Checkpointer | None = None
 
     # ---------------------------------------------------------------- topology
     @property
@@ -43,40 +90,24 @@ class Backend(ABC):
         return self.topo.world_size
 
     @property
-    def local_rank(self) -> int:
-        return self.topo.local_rank
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def set_threads(self, threads: int) -> None:
-        """Split the CPU cores among the local ranks so they do not oversubscribe the machine."""
-        if threads <= 0:
-            threads = max(1, (os.cpu_count() or 1) // max(self.topo.local_world_size, 1))
-        torch.set_num_threads(threads)
-
     # ---------------------------------------------------------------- lifecycle
-    @abstractmethod
     def setup(self) -> None:
         """Join the process group from the launcher's environment and set the device; safe to call twice."""
+        self.device = pick_device(self.topo.local_rank)
 
-    @abstractmethod
     def teardown(self) -> None:
         """Leave the process group; safe to call twice."""
 
     # ---------------------------------------------------------------- training
-    @abstractmethod
     def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
         """Wrap the model, then build the optimizer on the wrapped parameters and the scheduler on it
         (FSDP and ZeRO replace parameters, so an optimizer built earlier would hold stale ones).
+        `activation_bytes`: one micro-batch's activations, for backends that size their sharding to the memory.
         Returns (model, optimizer, scheduler) to use from then on."""
+        raise NotImplementedError
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module without wrappers."""
@@ -85,69 +116,63 @@ class Backend(ABC):
     @contextlib.contextmanager
     def full_params(self, model):
         """Collective context: the unwrapped module with every parameter whole (gathered where sharded),
-        for sampling during training. Every rank enters it; non-sharding backends just unwrap."""
+        for sampling during training. Every rank enters it."""
         yield self.unwrap(model)
 
     def autocast(self):
         """Mixed-precision context for the forward pass; the frozen VAE runs outside it, in fp32."""
-        if self.precision == "fp32":
+        if self.opts.precision == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        dtype = torch.bfloat16 if self.opts.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    @abstractmethod
     def accumulate(self, model, sync: bool):
         """Context for forward and backward of one micro-batch; sync=False defers gradient communication."""
+        return contextlib.nullcontext()
 
-    @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` divided by the accumulation steps, with loss scaling where the precision needs it."""
+        self.stepper.backward(loss)
 
-    @abstractmethod
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unscale, synchronize, clip, step, zero grads, step the scheduler.
+    def step(self) -> StepResult:
+        """Unscale, synchronize, clip, step, zero grads, step the scheduler."""
+        return self.stepper.step()
 
-        Returns (grad norm, skipped) as tensors, so the loop reads them only when it logs.
-        """
+    # ---------------------------------------------------------------- collectives (every rank calls them)
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce across ranks (in place where possible) and return the result; op is 'mean' or 'sum'."""
+        return self.collectives.all_reduce(tensor, op)
 
-    def loss_scale(self) -> float:
-        return 1.0
+    def broadcast_object(self, obj, src: int = 0):
+        return self.collectives.broadcast_object(obj, src)
 
-    @property
-    def world_size_may_change(self) -> bool:
-        """True for elastic runs, where workers come and go while training."""
-        return False
+    def barrier(self) -> None:
+        self.collectives.barrier()
+
+    # ---------------------------------------------------------------- checkpoints (collective)
+    def save_checkpoint(self, directory: str, state: dict) -> None:
+        """Write model, optimizer, scheduler, loss scaler, RNG states and `state` into `directory`, shard-wise."""
+        self.checkpointer.save(directory, state)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore what save_checkpoint wrote (at any world size, from any backend); returns the saved `state`."""
+        return self.checkpointer.load(directory)
+
+    def full_state_dict(self, model) -> dict | None:
+        """Unsharded weights (CPU tensors) on rank 0, None elsewhere, for the export. Collective."""
+        if not self.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+
+
+class Recovery:
+    """How the loop is run: once. An elastic backend's recovery (horovod_elastic.ElasticRecovery) runs it again
+    from its last commit after workers were lost or added; the loop calls commit() after every step."""
+
+    world_size_may_change = False
 
     def run(self, steps, pos):
-        """Run `steps(pos)` (the loop from `pos` to the end) and return its final position. An elastic backend
-        calls it again after workers were lost or added, from the position of its last commit."""
         return steps(pos)
 
     def commit(self, pos) -> None:
-        """After each step: an elastic backend keeps an in-memory copy of the training state to roll back to."""
-        return None
-
-    # ---------------------------------------------------------------- collectives (every rank calls them)
-    @abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce across ranks (in place where possible) and return the result; op is 'mean' or 'sum'."""
-
-    @abstractmethod
-    def broadcast_object(self, obj, src: int = 0):
-        """`obj` from rank `src` on every rank."""
-
-    @abstractmethod
-    def barrier(self) -> None: ...
-
-    # ---------------------------------------------------------------- checkpoints
-    @abstractmethod
-    def save_checkpoint(self, directory: str, state: dict) -> None:
-        """Collective: write model, optimizer, scheduler, scaler and `state` into `directory`."""
-
-    @abstractmethod
-    def load_checkpoint(self, directory: str) -> dict:
-        """Collective: restore model, optimizer, scheduler and scaler; returns the saved `state`."""
-
-    @abstractmethod
-    def full_state_dict(self, model) -> dict | None:
-        """Unsharded weights (CPU tensors) on rank 0, None elsewhere. Collective."""
+        pass

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import torch
 
-from dalle_pytorch.checkpoints import safe_load
+from dalle_pytorch.files import safe_load
 
 STATES_FILE = "states.pt"
 # One process writing or reading a whole DCP checkpoint alone (Horovod, one process, DeepSpeed's portable
@@ -59,7 +59,10 @@ def save_rank_file(directory: str, rank: int) -> None:
 
 
 def load_rank_file(directory: str, rank: int) -> None:
-    set_rng_state(safe_load(os.path.join(directory, f"rng-rank{rank}.pt")))
+    """This rank's RNG states, where the checkpoint has them (not at a larger world size than it was written at)."""
+    path = os.path.join(directory, f"rng-rank{rank}.pt")
+    if os.path.exists(path):
+        set_rng_state(safe_load(path))
 
 
 def _plain(x):
@@ -71,3 +74,18 @@ def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     return x
+
+
+def read_dcp_weights(ckpt_dir: str) -> dict | None:
+    """Full model weights (CPU, fp32) of the DCP copy every backend writes, without a process group, or None
+    when the checkpoint has no dcp/ folder."""
+    if not os.path.isdir(os.path.join(ckpt_dir, "dcp")):
+        return None
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(os.path.join(ckpt_dir, "dcp"), path)
+        return {k: v.float() for k, v in safe_load(path)["model"].items()}

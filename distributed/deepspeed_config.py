@@ -10,6 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+
+from dalle_pytorch.config import flag
+
+
+@dataclass
+class DeepSpeedOptions:
+    """The DeepSpeed backend's flags (the loss-scale start and window are shared by every backend's fp16)."""
+
+    zero_stage: str = flag(
+        "auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3")
+    )
+    offload_optimizer: bool = flag(False, "DeepSpeed: keep optimizer states in CPU memory")
+    offload_params: bool = flag(False, "DeepSpeed ZeRO-3: keep parameters in CPU memory")
+    deepspeed_config: str = flag("", "a DeepSpeed JSON config; our flags fill only what it leaves out")
+    hysteresis: int = flag(2, "fp16 (DeepSpeed): overflows tolerated before the loss scale drops")
+    min_loss_scale: float = flag(1.0, "fp16 (DeepSpeed): the loss scale never drops below this")
 
 
 def zero_memory_bytes(num_params: int, stage: int, world_size: int, precision: str) -> float:

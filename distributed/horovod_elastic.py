@@ -19,7 +19,7 @@ import dataclasses
 
 import horovod.torch as hvd
 import torch
-from horovod.common.elastic import State
+from horovod.common.elastic import State, run_fn
 
 
 class ElasticState(State):
@@ -38,9 +38,9 @@ class ElasticState(State):
         self._saved = _on_cpu(
             {
                 "model": self._module().state_dict(),
-                "optimizer": b.optimizer.state_dict(),
-                "scheduler": b.scheduler.state_dict(),
-                "scaler": b.scaler.state_dict(),
+                "optimizer": b.stepper.optimizer.state_dict(),
+                "scheduler": b.stepper.scheduler.state_dict(),
+                "scaler": b.stepper.scaler.state_dict(),
                 "pos": dataclasses.asdict(self.pos),
             }
         )
@@ -48,9 +48,9 @@ class ElasticState(State):
     def restore(self) -> None:
         b = self.backend
         self._module().load_state_dict(self._saved["model"])
-        b.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
-        b.scheduler.load_state_dict(self._saved["scheduler"])
-        b.scaler.load_state_dict(self._saved["scaler"])
+        b.stepper.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
+        b.stepper.scheduler.load_state_dict(self._saved["scheduler"])
+        b.stepper.scaler.load_state_dict(self._saved["scaler"])
         for k, v in self._saved["pos"].items():
             setattr(self.pos, k, v)  # the loop holds this object
 
@@ -60,16 +60,16 @@ class ElasticState(State):
         b.refresh_topology()
         for p in self._module().parameters():
             p.grad = None
-        b.optimizer.set_backward_passes_per_step(b.accumulation_steps)
+        b.stepper.optimizer.set_backward_passes_per_step(b.opts.accumulation_steps)
         if b.is_main:
             print(f"elastic: continuing on {b.world_size} workers from step {self.pos.step}", flush=True)
 
     def sync(self) -> None:
         """Every worker takes rank 0's state (a joining worker has none; survivors restored the same commit)."""
         b = self.backend
-        if hvd.broadcast_object(len(b.optimizer.state) > 0, root_rank=0):
+        if hvd.broadcast_object(len(b.stepper.optimizer.state) > 0, root_rank=0):
             b.init_optimizer_state()  # a joining worker's Adam state, to be overwritten; moves its weights
-            sd = b.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
+            sd = b.stepper.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
             # rank 0's list: a joiner's fresh state also covers parameters that never had a gradient on rank 0
             keys = [(i, k) for i, st in sorted(sd["state"].items()) for k, t in st.items() if torch.is_tensor(t)]
             keys = hvd.broadcast_object(keys, root_rank=0)
@@ -77,17 +77,17 @@ class ElasticState(State):
             hvd.broadcast_parameters(tensors, root_rank=0)
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
             groups = hvd.broadcast_object(hyper)
-            for g, saved in zip(b.optimizer.param_groups, groups):
+            for g, saved in zip(b.stepper.optimizer.param_groups, groups):
                 g.update(saved)
         hvd.broadcast_parameters(self._module().state_dict(), root_rank=0)  # weights last
         rest = {
-            "scheduler": b.scheduler.state_dict(),
-            "scaler": b.scaler.state_dict(),
+            "scheduler": b.stepper.scheduler.state_dict(),
+            "scaler": b.stepper.scaler.state_dict(),
             "pos": dataclasses.asdict(self.pos),
         }
         rest = hvd.broadcast_object(rest)
-        b.scheduler.load_state_dict(rest["scheduler"])
-        b.scaler.load_state_dict(rest["scaler"])
+        b.stepper.scheduler.load_state_dict(rest["scheduler"])
+        b.stepper.scaler.load_state_dict(rest["scaler"])
         for k, v in rest["pos"].items():
             setattr(self.pos, k, v)
         self._check_replicas()
@@ -109,3 +109,32 @@ def _on_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_on_cpu(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+class ElasticRecovery:
+    """Runs the loop's steps and, when workers are lost or added, runs them again from the last commit on
+    the new ring of workers (hvd.elastic.run's contract, with our state). The loop calls commit() after
+    every step; every `commit_every` steps it copies the state to host memory and checks for new hosts."""
+
+    world_size_may_change = True
+
+    def __init__(self, backend, commit_every: int):
+        self.backend, self.commit_every = backend, commit_every
+        self._state = None
+
+    def run(self, steps, pos):
+        self._state = ElasticState(self.backend, pos)
+        self.backend.joining = False
+
+        def reset():  # hvd.elastic.run's, then tell workers starting in the new ring that they join a run
+            from .horovod_backend import _ring_started
+
+            hvd.shutdown()
+            hvd.init()
+            _ring_started(training=True)
+
+        return run_fn(lambda state: steps(state.pos), reset)(self._state)
+
+    def commit(self, pos) -> None:
+        if pos.step % self.commit_every == 0:
+            self._state.commit()  # raises HostsUpdatedInterrupt when workers are waiting to join

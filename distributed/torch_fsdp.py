@@ -2,25 +2,33 @@
 
 Each block of every nn.ModuleList is sharded on its own (its parameters are gathered just for its
 forward and backward), then the root. Resume checkpoints use torch.distributed.checkpoint (DCP), which
-writes one shard per rank and reshards on load (SingleBackend's checkpoint methods).
+writes one shard per rank and reshards on load.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .torch_ddp import DDPBackend
+from .base import Backend
+from .torch_parts import attach_torch_parts, destroy_process_group, init_process_group
 
 
-class FSDPBackend(DDPBackend):
+class FSDPBackend(Backend):
     name = "fsdp"
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def setup(self) -> None:
+        super().setup()
+        self.collectives = init_process_group(self.topo, self.device)
+
+    def teardown(self) -> None:
+        destroy_process_group()
+
+    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+        model = model.to(self.device)
         # autocast handles bf16/fp16 compute, as on every other backend; FSDP keeps fp32 parameters
         mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
         for module in list(model.modules()):
@@ -28,15 +36,11 @@ class FSDPBackend(DDPBackend):
                 for block in module:
                     fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return model
+        return attach_torch_parts(self, model, make_optimizer, make_scheduler)
 
     def accumulate(self, model, sync: bool):
         model.set_requires_gradient_sync(sync)  # non-final micro-batches keep unreduced gradients
         return contextlib.nullcontext()
-
-    def clip_gradients(self) -> torch.Tensor:
-        norm = super().clip_gradients()
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     @contextlib.contextmanager
     def full_params(self, model):

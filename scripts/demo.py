@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import generate  # noqa: E402
 import train_dalle  # noqa: E402
 import train_vae  # noqa: E402
-from dalle_pytorch import evaluate  # noqa: E402
+from dalle_pytorch.eval import evaluate  # noqa: E402
 
 CAPTIONS = (
     "a large red circle on the left|a small blue triangle above a large yellow square|a big green square in the center"

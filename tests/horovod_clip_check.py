@@ -12,10 +12,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arguments import topology_from_env  # noqa: E402
+from distributed import StepOptions, topology_from_env  # noqa: E402
 from distributed.horovod_backend import HorovodBackend  # noqa: E402
 
-backend = HorovodBackend(topology_from_env(), clip_grad_norm=1.0)
+backend = HorovodBackend(topology_from_env(), StepOptions(clip_grad_norm=1.0))
 backend.setup()
 model = torch.nn.Linear(2, 1, bias=False)
 with torch.no_grad():
@@ -27,7 +27,7 @@ model, opt, sched = backend.prepare(
 )
 x = torch.tensor([[10.0, 0.0]]) if backend.rank == 0 else torch.tensor([[0.0, 0.1]])
 backend.backward(model(x).sum())  # d/dw = x
-norm, _ = backend.step()
+norm, _, _ = backend.step()
 avg = torch.tensor([5.0, 0.05])
 expected = -avg / avg.norm()
 got = model.weight.detach().flatten()

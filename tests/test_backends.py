@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from arguments import Topology, TrainConfig, resolve_backend, topology_from_env
-from distributed import make_backend
+from arguments import TrainConfig
+from distributed import HorovodOptions, StepOptions, Topology, make_backend, make_recovery
+from distributed.topology import resolve_backend, topology_from_env
 from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
 
 
 def _prepared(precision="fp16"):
-    backend = make_backend("single", Topology("none"), precision=precision, clip_grad_norm=1.0)
+    backend = make_backend("single", Topology("none"), StepOptions(precision=precision, clip_grad_norm=1.0))
     backend.setup()
     model = torch.nn.Linear(4, 1)
     model, opt, sched = backend.prepare(
@@ -23,17 +24,16 @@ def _prepared(precision="fp16"):
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     backend, model = _prepared()
     x = torch.ones(2, 4)
-    scale0 = backend.loss_scale()
     backend.backward(model(x).sum())
-    _, skipped = backend.step()
-    assert not skipped
+    _, skipped, scale0 = backend.step()
+    assert not skipped and scale0 == 2.0**16
     before = [p.detach().clone() for p in model.parameters()]
     backend.backward(model(x).sum() * float("inf"))  # an injected inf gradient
-    _, skipped = backend.step()
-    assert skipped and backend.loss_scale() < scale0
+    _, skipped, scale = backend.step()
+    assert skipped and scale < scale0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was skipped
     backend.backward(model(x).sum())
-    _, skipped = backend.step()
+    _, skipped, _ = backend.step()
     assert not skipped and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # training goes on
 
 
@@ -191,23 +191,16 @@ def test_deepspeed_config_from_flags():
 def test_elastic_horovod_refuses_what_depends_on_the_worker_count(monkeypatch):
     """Workers that join an elastic run compute these anew at another world size: they must not depend on it."""
     horovod_backend = pytest.importorskip("distributed.horovod_backend")
-    from arguments import Topology
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
-    cases = [
-        (TrainConfig(steps=0), "set --steps"),
-        (TrainConfig(steps=10, batch_size=4, global_batch_size=64), "drop --global_batch_size"),
-        (TrainConfig(steps=10, commit_every=0), "--commit_every must be at least 1"),
-    ]
-    for cfg, message in cases:
-        backend = horovod_backend.HorovodBackend(Topology("horovod"), options=cfg)
-        assert backend.world_size_may_change
-        with pytest.raises(ValueError, match=message):
-            backend._check_elastic_options()
-
-
-def test_positions_of_older_checkpoints_convert_to_samples():
-    from dalle_pytorch.loop import Position
-
-    assert Position.from_state({"step": 3, "epoch": 1, "batch_in_epoch": 5}, 8) == Position(3, 1, 40)
-    assert Position.from_state({"step": 3, "epoch": 1, "samples_in_epoch": 40}, 8) == Position(3, 1, 40)
+    backend = horovod_backend.HorovodBackend(Topology("horovod"))
+    assert make_recovery(backend).world_size_may_change
+    with pytest.raises(ValueError, match="--commit_every must be at least 1"):
+        make_recovery(backend, HorovodOptions(commit_every=0))
+    with pytest.raises(ValueError, match="set --steps"):
+        TrainConfig(steps=0).check_elastic()
+    with pytest.raises(ValueError, match="drop --global_batch_size"):
+        TrainConfig(steps=10, batch_size=4, global_batch_size=64).check_elastic()
+    TrainConfig(steps=10).check_elastic()
+    monkeypatch.delenv("HOROVOD_ELASTIC")
+    assert not make_recovery(horovod_backend.HorovodBackend(Topology("horovod"))).world_size_may_change

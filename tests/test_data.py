@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 
-from dalle_pytorch.data import CaptionFolder, ImageFolder
-from dalle_pytorch.shapes import pil_to_tensor, sample
-from dalle_pytorch.shapes_export import export_folder, export_wds
-from dalle_pytorch.wds import WebDatasetPairs
+from dalle_pytorch.data.folders import CaptionFolder, ImageFolder
+from dalle_pytorch.data.shapes import pil_to_tensor, sample
+from dalle_pytorch.data.shapes_export import export_folder, export_wds
+from dalle_pytorch.data.wds import WebDatasetPairs
 
 
 def test_image_folder_nested_and_corrupt(tmp_path):

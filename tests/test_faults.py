@@ -13,7 +13,7 @@ import pytest
 from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import train_vae
-from dalle_pytorch.checkpoints import step_dirs
+from dalle_pytorch.training.checkpoints import step_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -20,8 +20,9 @@ from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 import generate
 import train_dalle
 import train_vae
-from dalle_pytorch.checkpoints import safe_load, step_dirs
 from dalle_pytorch.convert import convert
+from dalle_pytorch.files import safe_load
+from dalle_pytorch.training.checkpoints import step_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

@@ -29,9 +29,9 @@ from pretrained_refs import (
     taming_tokenize,
 )
 
-from dalle_pytorch.inert_pickle import load_untrusted
-from dalle_pytorch.pretrained import load_openai, load_vqgan, read_vqgan_config, vqgan_weights
-from dalle_pytorch.vqgan import VQGAN, VQGANConfig
+from dalle_pytorch.models.inert_pickle import load_untrusted
+from dalle_pytorch.models.pretrained import load_openai, load_vqgan, read_vqgan_config, vqgan_weights
+from dalle_pytorch.models.vqgan import VQGAN, VQGANConfig
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "pretrained_reference.pt")
 
@@ -133,7 +133,7 @@ def test_full_size_vqgans_have_the_upstream_weight_names_and_shapes(reference, t
 
 
 def test_full_size_openai_dvae_has_the_upstream_weight_names_and_shapes(reference):
-    from dalle_pytorch.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
+    from dalle_pytorch.models.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 
     full = reference["openai"]["full_size"]
     with torch.device("meta"):
@@ -213,7 +213,7 @@ def test_pickled_code_is_never_run(tmp_path, function):
 def test_pickled_modules_read_in_both_formats(tmp_path, legacy):
     """Whole pickled nn.Modules, as OpenAI released its dVAE; the legacy format names their classes in
     "module" records, which become placeholder classes too."""
-    from dalle_pytorch.inert_pickle import module_state_dict
+    from dalle_pytorch.models.inert_pickle import module_state_dict
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.ReLU(), torch.nn.BatchNorm2d(4))
     torch.save(model, tmp_path / "model.pkl", _use_new_zipfile_serialization=not legacy)
@@ -260,7 +260,7 @@ def test_a_legacy_pickle_cannot_write_a_patch_file(tmp_path, pop):
     dump_patches set; the weights-only reader refuses BUILD on a class and every record but storages."""
     from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
 
-    from dalle_pytorch.pretrained import openai_weights
+    from dalle_pytorch.models.pretrained import openai_weights
 
     target = str(tmp_path / "pwned").encode()
     build = _build_class(
@@ -373,8 +373,8 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
             + ["--resume", "auto"]
         )
     assert "is not the VAE this run was trained with" in capsys.readouterr().err
-    from dalle_pytorch.checkpoints import step_dirs
     from dalle_pytorch.convert import convert
+    from dalle_pytorch.training.checkpoints import step_dirs
 
     with open(os.path.join(out, "dalle", "config.json")) as f:
         assert json.load(f)["pretrained_tokenizer"] == record
@@ -386,7 +386,7 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
 def test_train_and_generate_with_openai_dvae(tmp_path):
     import generate
     import train_dalle
-    from dalle_pytorch.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
+    from dalle_pytorch.models.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 
     vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(n_hid=16, n_blk_per_group=1, vocab_size=64, n_init=8), 16)
     directory = write_openai(tmp_path, vae.enc.state_dict(), vae.dec.state_dict())

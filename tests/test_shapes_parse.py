@@ -1,7 +1,7 @@
 import pytest
 
-from dalle_pytorch.parse import parse_image, score
-from dalle_pytorch.shapes import HELD_OUT_PAIRS, ShapesDataset, sample
+from dalle_pytorch.data.shapes import HELD_OUT_PAIRS, ShapesDataset, sample
+from dalle_pytorch.eval.parse import parse_image, score
 
 
 @pytest.mark.parametrize("size", [32, 64])

@@ -1,41 +1,93 @@
-"""The shape STYLE.md asks for, kept by tests: models import no infrastructure, the loop names no backend."""
+"""The shape STYLE.md asks for, kept by tests: the layers import one way, models import no infrastructure,
+the loop names no backend."""
 
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = [
-    "dalle_pytorch/vae.py",
-    "dalle_pytorch/dalle.py",
-    "dalle_pytorch/transformer.py",
-    "dalle_pytorch/vqgan.py",
-    "dalle_pytorch/vqgan_modules.py",
-    "dalle_pytorch/openai_dvae.py",
-]
-FORBIDDEN = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
+LEAVES = {"dalle_pytorch.config", "dalle_pytorch.errors", "dalle_pytorch.files"}  # depend on nothing of ours
+# folder -> what its modules may import of ours (besides themselves and the leaves)
+ALLOWED = {
+    "dalle_pytorch/models": set(),
+    "dalle_pytorch/data": set(),
+    "dalle_pytorch/training": {"dalle_pytorch.models", "dalle_pytorch.data", "distributed"},
+    "dalle_pytorch/eval": {"dalle_pytorch.training", "dalle_pytorch.models", "dalle_pytorch.data"},
+    "distributed": set(),
+}
+OURS = ("dalle_pytorch", "distributed", "arguments", "train_vae", "train_dalle", "generate", "train_clip")
+INFRASTRUCTURE = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
 
 
-def imported_modules(path):
-    tree = ast.parse(open(os.path.join(ROOT, path)).read())
-    for node in ast.walk(tree):
+def python_files(folder):
+    for d, _, files in os.walk(os.path.join(ROOT, folder)):
+        yield from (os.path.relpath(os.path.join(d, f), ROOT) for f in sorted(files) if f.endswith(".py"))
+
+
+def imports(path):
+    """Absolute names of every module `path` imports, relative imports resolved."""
+    package = os.path.dirname(path).replace(os.sep, ".")
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
         if isinstance(node, ast.Import):
-            yield from (a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module.split(".")[0]
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            yield module
+            yield from (f"{module}.{a.name}" for a in node.names)  # `from . import x` imports module x
+
+
+def layer(name):
+    if name in LEAVES or any(name.startswith(leaf + ".") for leaf in LEAVES):
+        return "leaf"
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "dalle_pytorch" and len(parts) > 1 else parts[0]
+
+
+def test_the_layers_import_one_way():
+    bad = []
+    for folder, allowed in ALLOWED.items():
+        own = folder.replace("/", ".")
+        for path in python_files(folder):
+            for name in imports(path):
+                if not name.split(".")[0] in OURS:
+                    continue
+                target = layer(name)
+                if target in ("leaf", own) or target in allowed or name == "dalle_pytorch":
+                    continue
+                bad.append(f"{path} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_leaves_import_nothing_of_ours():
+    for leaf in LEAVES:
+        path = leaf.replace(".", "/") + ".py"
+        assert not [n for n in imports(path) if n.split(".")[0] in OURS], path
+
+
+def test_nothing_imports_a_script():
+    scripts = {"train_vae", "train_dalle", "generate", "train_clip", "arguments"}
+    for folder in ("dalle_pytorch", "distributed"):
+        for path in python_files(folder):
+            found = {n.split(".")[0] for n in imports(path)} & scripts
+            assert not found, f"{path} imports {found}"
 
 
 def test_models_import_no_infrastructure():
-    for path in MODELS:
-        bad = FORBIDDEN & set(imported_modules(path))
+    for path in python_files("dalle_pytorch/models"):
+        bad = INFRASTRUCTURE & {n.split(".")[0] for n in imports(path)}
         assert not bad, f"{path} imports {bad}"
 
 
 def test_models_never_call_cuda():
-    for path in MODELS:
+    for path in python_files("dalle_pytorch/models"):
         assert ".cuda(" not in open(os.path.join(ROOT, path)).read(), path
 
 
 def test_the_loop_names_no_backend():
-    source = open(os.path.join(ROOT, "dalle_pytorch", "loop.py")).read().lower()
-    for name in ("deepspeed", "horovod", "fsdp", "distributeddataparallel", "isinstance(backend"):
-        assert name not in source, name
+    for name in ("loop.py", "metrics.py", "batches.py", "task.py"):
+        source = open(os.path.join(ROOT, "dalle_pytorch", "training", name)).read().lower()
+        for word in ("deepspeed", "horovod", "fsdp", "distributeddataparallel", "isinstance(backend"):
+            assert word not in source, f"{name} names {word}"

@@ -10,8 +10,9 @@ from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import train_dalle
 import train_vae
-from dalle_pytorch.checkpoints import safe_load, step_dirs
-from dalle_pytorch.loop import ShardedSampler
+from dalle_pytorch.files import safe_load
+from dalle_pytorch.training.checkpoints import step_dirs
+from dalle_pytorch.training.loop import ShardedSampler
 
 TINY_VAE = [
     *TINY_VAE_MODEL,
@@ -202,7 +203,7 @@ def test_accumulation_equals_large_batch(vae_path, tmp_path):
 
 
 def test_train_dalle_on_webdataset_shards(vae_path, tmp_path):
-    from dalle_pytorch.shapes_export import export_wds
+    from dalle_pytorch.data.shapes_export import export_wds
 
     export_wds(str(tmp_path / "shards"), 64, image_size=16, per_shard=16)
     urls = str(tmp_path / "shards" / "shard-{000000..000003}.tar")
@@ -233,7 +234,7 @@ def test_train_dalle_on_webdataset_shards(vae_path, tmp_path):
 def test_plot_draws_the_curves(vae_path):
     from PIL import Image
 
-    from dalle_pytorch.plot import plot
+    from dalle_pytorch.eval.plot import plot
 
     out = plot(os.path.dirname(vae_path))
     with Image.open(out) as img:
@@ -243,7 +244,7 @@ def test_plot_draws_the_curves(vae_path):
 
 
 def test_plot_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
-    from dalle_pytorch.plot import main
+    from dalle_pytorch.eval.plot import main
 
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
@@ -251,7 +252,7 @@ def test_plot_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
 
 
 def test_train_vae_on_webdataset_shards(tmp_path):
-    from dalle_pytorch.shapes_export import export_wds
+    from dalle_pytorch.data.shapes_export import export_wds
 
     export_wds(str(tmp_path / "shards"), 32, image_size=16, per_shard=16)
     urls = str(tmp_path / "shards" / "shard-{000000..000001}.tar")
@@ -303,12 +304,12 @@ def test_unknown_flag_value_is_one_line(capsys):
 def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
     import errno
 
-    import dalle_pytorch.checkpoints as checkpoints
+    import dalle_pytorch.training.export as export
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoints, "atomic_save", full_disk)
+    monkeypatch.setattr(export, "atomic_save", full_disk)
     with pytest.raises(SystemExit):
         train_vae.main([*TINY_VAE, "--steps", "1", "--output_dir", str(tmp_path), "--save_every_n_steps", "0"])
     err = capsys.readouterr().err

@@ -1,10 +1,9 @@
 import pytest
 import torch
 
-from dalle_pytorch.checkpoints import save_export
-from dalle_pytorch.schedules import gumbel_temperature, lr_factor
-from dalle_pytorch.vae import DiscreteVAE, VAEConfig, codebook_stats
-from dalle_pytorch.vae_task import load_vae
+from dalle_pytorch.models.vae import DiscreteVAE, VAEConfig, codebook_stats
+from dalle_pytorch.training.export import load_vae, save_export
+from dalle_pytorch.training.schedules import gumbel_temperature, lr_factor
 
 
 def tiny():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -167,8 +166,3 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     if d.get("kind") not in kinds:
         raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted(kinds)}")
     return kinds[d["kind"]](d["data"])
-
-
-def warn_truncated(count: int, total: int, context_length: int) -> None:
-    if count:
-        warnings.warn(f"{count} of {total} captions were truncated to --text_seq_len {context_length}", stacklevel=2)

@@ -1,7 +1,7 @@
 """Write the built-in dataset to disk, so that the real loaders run on it.
 
-python -m dalle_pytorch.shapes_export --out DIR --num 10000                 # DIR/00000/000001.png + .txt
-python -m dalle_pytorch.shapes_export --out DIR --num 10000 --wds           # DIR/shard-000000.tar ...
+python -m dalle_pytorch.data.shapes_export --out DIR --num 10000                 # DIR/00000/000001.png + .txt
+python -m dalle_pytorch.data.shapes_export --out DIR --num 10000 --wds           # DIR/shard-000000.tar ...
 """
 
 from __future__ import annotations

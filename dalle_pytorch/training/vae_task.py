@@ -8,9 +8,9 @@ from collections import deque
 import torch
 from torchvision.utils import save_image
 
-from .checkpoints import load_export, save_export
+from ..models.vae import DiscreteVAE, codebook_stats
+from .export import save_export
 from .schedules import gumbel_temperature
-from .vae import DiscreteVAE, VAEConfig, codebook_stats
 
 
 class VAETask:
@@ -63,19 +63,8 @@ class VAETask:
         if path is not None:
             save_image(grid[:, :3].float().cpu(), path, nrow=len(images), padding=1)
 
-    def export(self, weights, path):
-        save_export(path, "vae", self.model.cfg.to_dict(), weights)
+    def activation_bytes(self, batch_size: int) -> float:
+        return 0.0  # convolutional and small: the parameters decide the ZeRO stage
 
-
-def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
-    """The frozen, eval-mode VAE stored in an export written by train_vae.py, and the export itself."""
-    obj = load_export(path, "vae")
-    return vae_from_export(obj).to(map_location), obj
-
-
-def vae_from_export(obj: dict) -> DiscreteVAE:
-    cfg = dict(obj["config"])
-    cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
-    vae = DiscreteVAE(VAEConfig(**cfg))
-    vae.load_state_dict(obj["weights"])
-    return vae.eval().requires_grad_(False)
+    def export(self, weights):
+        save_export(self.export_path, "vae", self.model.cfg.to_dict(), weights)

@@ -1,6 +1,6 @@
 """Loss and throughput curves of a run, from its metrics.jsonl, to PNG.
 
-python -m dalle_pytorch.plot runs/dalle            # writes runs/dalle/curves.png
+python -m dalle_pytorch.eval.plot runs/dalle            # writes runs/dalle/curves.png
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv=None):
     p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
     args = p.parse_args(argv)
-    from .cli import user_errors
+    from ..errors import user_errors
 
     with user_errors(False):
         print(plot(args.run_dir, args.out))

@@ -14,7 +14,7 @@ from itertools import permutations
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .shapes import BACKGROUND, COLORS, POSITIONS, SHAPES, SIZES, Scene, draw_shape
+from ..data.shapes import BACKGROUND, COLORS, POSITIONS, SHAPES, SIZES, Scene, draw_shape
 
 _PALETTE = np.array([BACKGROUND, *COLORS.values()], dtype=np.float32)  # index 0 is the background
 _NAMES = [None, *COLORS]

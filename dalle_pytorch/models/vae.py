@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config_utils import flag
+from ..config import flag
 
 
 @dataclass

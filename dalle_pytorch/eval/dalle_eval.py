@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torchvision.utils import save_image
 
-from .dalle_task import load_dalle
+from ..data.shapes import ShapesDataset
+from ..models.sampling import generate_image_tokens
+from ..training.export import load_dalle
 from .evaluate import VALIDATION_SEED, summarize
 from .parse import parse_image, score
-from .sampling import generate_image_tokens
-from .shapes import ShapesDataset
 
 
 @torch.no_grad()

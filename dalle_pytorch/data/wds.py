@@ -15,7 +15,7 @@ import torch
 import webdataset as wds
 from webdataset.shardlists import expand_urls
 
-from .data import image_transform
+from .folders import image_transform
 
 
 class WebDatasetPairs(torch.utils.data.IterableDataset):

@@ -10,14 +10,12 @@ rebuilds the tokenizer from the record and the file, and refuses a file whose we
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from collections.abc import Mapping
 from dataclasses import fields
 
 import torch
 
+from ..files import fingerprint
 from .inert_pickle import load_untrusted, module_state_dict
 from .openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 from .vqgan import VQGANConfig, VQGanVAE
@@ -30,15 +28,6 @@ _TAMING_TARGETS = {  # model.target -> gumbel
 _VQGAN_KEEP = ("encoder.", "decoder.", "quantize.", "quant_conv.", "post_quant_conv.")  # not loss.* (GAN, LPIPS)
 # kind -> the flag that gives its file, also the key of the path in its record
 _FLAGS = {"vqgan": "vqgan_model_path", "gumbel_vqgan": "vqgan_model_path", "openai": "openai_vae_path"}
-
-
-def fingerprint(config: dict, weights: dict[str, torch.Tensor]) -> str:
-    """A short hash of a tokenizer's config and weights (the same for a .ckpt, .pkl or .pt of one model)."""
-    h = hashlib.sha1(json.dumps(config, sort_keys=True).encode())
-    for name in sorted(weights):
-        h.update(name.encode())
-        h.update(weights[name].detach().float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------ reading files
@@ -199,39 +188,3 @@ def tokenizer_from_record(record: dict, vqgan_model_path: str = "", openai_vae_p
             f"(fingerprint {found}, the export recorded {record['fingerprint']}): pass the original file"
         )
     return _build(kind, record["config"], record["image_size"], weights, f"--{key} {path}")
-
-
-def load_image_tokenizer(flags: Mapping):
-    """(tokenizer, export) from the flags that choose it, as train_dalle.py parses them or config.json's
-    `dalle` section records them (runs older than the pretrained tokenizers lack those flags): our VAE's
-    export, or a pretrained tokenizer's record."""
-    vae_path, taming, openai_vae_path = flags.get("vae_path", ""), flags.get("taming"), flags.get("openai_vae_path")
-    vqgan_model_path, vqgan_config_path = flags.get("vqgan_model_path"), flags.get("vqgan_config_path")
-    image_size = flags.get("pretrained_image_size", 0)
-    if (vqgan_model_path or vqgan_config_path) and not taming:
-        raise ValueError("--vqgan_model_path and --vqgan_config_path are read with --taming: add --taming")
-    chosen = [
-        f for f, on in (("--vae_path", vae_path), ("--taming", taming), ("--openai_vae_path", openai_vae_path)) if on
-    ]
-    if len(chosen) > 1:
-        raise ValueError(f"{' and '.join(chosen)} each choose the image tokenizer: pass only one of them")
-    if not chosen:
-        raise ValueError(
-            "--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt, or use a "
-            "pretrained tokenizer with --taming --vqgan_model_path M --vqgan_config_path C, or --openai_vae_path DIR"
-        )
-    if image_size and vae_path:
-        raise ValueError("--pretrained_image_size is for --taming and --openai_vae_path; our VAE has its own size")
-    if image_size < 0:
-        raise ValueError(f"--pretrained_image_size must be positive, or 0 for the tokenizer's own (got {image_size})")
-    if taming:
-        if not (vqgan_model_path and vqgan_config_path):
-            raise ValueError(
-                "--taming needs --vqgan_model_path (.ckpt) and --vqgan_config_path (.yaml): nothing is downloaded"
-            )
-        return load_vqgan(vqgan_model_path, vqgan_config_path, image_size)
-    if openai_vae_path:
-        return load_openai(openai_vae_path, image_size)
-    from .vae_task import load_vae
-
-    return load_vae(vae_path)

@@ -1,6 +1,6 @@
 """Honest image-quality numbers on the built-in dataset, read back from pixels by `parse.py`.
 
-    python -m dalle_pytorch.evaluate --vae_path vae.pt [--dalle_path dalle.pt] [--out DIR]
+    python -m dalle_pytorch.eval.evaluate --vae_path vae.pt [--dalle_path dalle.pt] [--out DIR]
 
 VAE: PSNR and the parser's accuracy on reconstructions (the ceiling for any generator), codebook usage.
 DALLE: bits per image token on validation data, and the fraction of generated images whose parsed objects
@@ -18,9 +18,9 @@ import random
 
 import torch
 
+from ..data.shapes import ShapesDataset
+from ..models.vae import codebook_stats
 from .parse import ATTRIBUTES, parse_image, score
-from .shapes import ShapesDataset
-from .vae import codebook_stats
 
 VALIDATION_SEED = 10_007  # a different seed from training data: different scenes and captions
 
@@ -90,7 +90,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None):
-    from .vae_task import load_vae
+    from ..training.export import load_vae
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vae_path", default="", help="VAE export (default: the one recorded in --dalle_path)")

@@ -1,0 +1,90 @@
+"""The two builders both trainers and `convert` share: the dataset from the data flags, and the text
+tokenizer from the tokenizer flags (a BPE trained on the captions once, on rank 0, then read by every rank)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+
+from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
+
+
+def build_dataset(
+    folder: str,
+    wds: str,
+    captions: bool,
+    image_size: int,
+    channels: int,
+    resize_ratio: float,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    dataset_size: int,
+    folder_flag: str,
+):
+    """(image, caption) samples: WebDataset shards (`wds` names the keys, `folder` holds the URLs), an image or
+    caption folder, or the built-in synthetic set when no folder is given. `captions`: pairs are needed (DALLE)."""
+    if wds:
+        from .wds import WebDatasetPairs
+
+        if not folder:
+            raise ValueError(f"--wds needs the shard URLs in {folder_flag}, e.g. 'shards/{{000..099}}.tar'")
+        if captions and "," not in wds:
+            raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {wds!r})")
+        keys = wds if captions else wds.split(",")[0]
+        return WebDatasetPairs(folder, keys, image_size, channels, resize_ratio, rank, world_size, seed)
+    if folder:
+        from .folders import CaptionFolder, ImageFolder
+
+        return (CaptionFolder if captions else ImageFolder)(folder, image_size, channels, resize_ratio)
+    if channels != 3:
+        raise ValueError(f"the built-in dataset is RGB: use --channels 3 or give {folder_flag}")
+    from .shapes import ShapesDataset
+
+    return ShapesDataset(dataset_size, image_size, seed=seed)
+
+
+def describe(dataset) -> str:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return f"{len(dataset.shards)} WebDataset shards"
+    return f"{len(dataset)} samples"
+
+
+def _captions(dataset, limit: int = 20000) -> list[str]:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return [caption for _, caption in itertools.islice(iter(dataset), limit)]
+    return [
+        dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))
+    ]
+
+
+def build_text_tokenizer(
+    flags: Mapping,
+    run_dir: str,
+    dataset=None,
+    resuming: bool = False,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    log: Callable[[str], None] = print,
+) -> Tokenizer:
+    """The tokenizer the flags choose (`bpe_path`, `hug`, `tokenizer`, `bpe_vocab_size`, as train_dalle.py parses
+    them or config.json records them). The default BPE lives in the run directory: with `dataset` it is trained
+    on its captions (a resumed run keeps the vocabulary it has); without, the run's is read."""
+    if flags["bpe_path"]:
+        return (HugTokenizer if flags["hug"] else YttmTokenizer).from_file(flags["bpe_path"])
+    if flags["tokenizer"] == "byte":
+        return ByteTokenizer()
+    path = os.path.join(run_dir, "bpe.yttm")
+    if dataset is not None:
+        # trained once, on rank 0; every rank then reads the same file
+        if is_main and not (resuming and os.path.exists(path)):
+            YttmTokenizer.train(_captions(dataset), flags["bpe_vocab_size"], path)
+            log(f"trained a {flags['bpe_vocab_size']}-token BPE on the captions: {path}")
+        barrier()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: the run's BPE is written there when training starts")
+    return YttmTokenizer.from_file(path)

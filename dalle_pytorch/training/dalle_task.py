@@ -1,0 +1,87 @@
+"""Training DALLE as a loop task: captions tokenized in the data workers, images tokenized by the frozen
+VAE once per batch under no_grad in fp32, sample grids for fixed captions, and the self-contained export."""
+
+from __future__ import annotations
+
+import torch
+from torchvision.utils import save_image
+
+from ..data.tokenizer import Tokenizer
+from ..models.dalle import DALLE
+from ..models.sampling import generate_image_tokens
+from .export import save_export
+
+
+class DALLETask:
+    name = "dalle"
+
+    def __init__(
+        self,
+        dalle: DALLE,
+        vae,
+        vae_export: dict,
+        tokenizer: Tokenizer,
+        dataset,
+        export_path: str,
+        sample_captions: list[str],
+        seed: int = 0,
+    ):
+        """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed."""
+        self.model = dalle
+        self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
+        self.vae_export = vae_export
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.export_path = export_path
+        self.tokens_per_sample = dalle.cfg.seq_len
+        self.sample_captions = sample_captions
+        self.seed = seed
+
+    def activation_bytes(self, batch_size: int) -> float:
+        """~34 x tokens x dim bytes per layer in 16-bit (Korthikanti et al. 2022, without recomputation),
+        doubled for fp32, plus the attention scores."""
+        c = self.model.cfg
+        tokens = batch_size * c.seq_len
+        return c.depth * (68 * tokens * c.dim + 4 * batch_size * c.heads * c.seq_len**2)
+
+    def prepare_batch(self, batch, device):
+        images, text = batch
+        images = images.to(device, non_blocking=True)
+        if images.dtype == torch.long:  # --precompute_tokens: already VAE codes
+            return text.to(device, non_blocking=True), images
+        if next(self.vae.parameters()).device != device:
+            self.vae.to(device)
+        with torch.no_grad():
+            image_tokens = self.vae.get_codebook_indices(images.float())  # (b, fmap^2), VAE in fp32
+        return text.to(device, non_blocking=True), image_tokens
+
+    def loss(self, model, batch, step):
+        text, image_tokens = batch
+        return model(text, image_tokens)
+
+    def window_metrics(self) -> dict:
+        return {"truncated_captions": self.dataset.truncated.value}
+
+    @torch.no_grad()
+    def write_samples(self, model, step, path):
+        if not self.sample_captions:
+            return
+        device = next(model.parameters()).device
+        text, _ = self.tokenizer.tokenize(self.sample_captions, model.cfg.text_seq_len)
+        g = torch.Generator(device).manual_seed(self.seed)
+        tokens = generate_image_tokens(model, text.to(device), generator=g)
+        if path is None:
+            return
+        save_image(self.vae.decode(tokens)[:, :3].cpu(), path, nrow=len(self.sample_captions), padding=1)
+        with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
+            f.write("\n".join(self.sample_captions) + "\n")
+
+    def export(self, weights):
+        save_export(
+            self.export_path,
+            "dalle",
+            self.model.cfg.to_dict(),
+            weights,
+            vae=self.vae_export,
+            tokenizer=self.tokenizer.to_dict(),
+        )

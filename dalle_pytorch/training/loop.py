@@ -1,0 +1,168 @@
+"""The one training loop, shared by train_vae.py and train_dalle.py and by every backend.
+
+"The model returns its losses, the loop owns optimisation" (detectron2's SimpleTrainer): a task supplies
+the model, the data, `loss(model, batch, step)`, samples and the export (training/task.py); the backend
+supplies communication, precision and checkpoint I/O; the recovery runs the loop again after an elastic
+change of workers. The loop names no backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .batches import ShardedSampler, batches, total_steps
+from .checkpoints import resolve_resume, save_checkpoint
+from .metrics import MetricWindow
+from .run import RunDir, progress
+from .schedules import lr_factor
+from .signals import StopFlag
+from .task import Task
+
+
+@dataclass
+class Position:
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0  # samples of this epoch already consumed, by all ranks together
+
+
+def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
+    """Train `task` with `backend` as `cfg` (a TrainConfig) says; returns where training stopped."""
+    streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)
+    if streamed and recovery.world_size_may_change:
+        raise ValueError(
+            "streamed WebDataset shards are split among the ranks when the run starts, so an elastic run cannot "
+            "stream them: use a caption folder (or export the shards to one) or a fixed number of workers"
+        )
+    total = total_steps(cfg, task.dataset, backend.world_size)
+    if cfg.compile:
+        task.model.compile()  # in place: same module, same state_dict keys, under any backend's wrapper
+    model, _, scheduler = backend.prepare(
+        task.model,
+        lambda m: torch.optim.AdamW(
+            param_groups(m, cfg.weight_decay), lr=cfg.learning_rate, betas=(0.9, 0.99), foreach=True
+        ),
+        lambda o: torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
+        ),
+        task.activation_bytes(cfg.batch_size),
+    )
+    pos = resume(cfg.resume, backend, run)
+    with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step, save, exit
+        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop)
+        pos = recovery.run(lambda p: run_steps(parts, p), pos)
+    write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step)
+    return pos
+
+
+@dataclass
+class Parts:
+    """What train() built and run_steps() uses."""
+
+    task: Task
+    cfg: object  # TrainConfig
+    backend: object
+    recovery: object
+    run: RunDir
+    model: torch.nn.Module  # as the backend wrapped it
+    scheduler: object
+    total: int  # steps of the run
+    stop: StopFlag
+
+
+def run_steps(parts: Parts, pos: Position) -> Position:
+    """The steps from `pos` to the end. Everything that depends on the rank and world size is built here, so
+    an elastic recovery can call it again, on the position it rolled back to, after workers came or went."""
+    task, cfg, backend, run, model, total = parts.task, parts.cfg, parts.backend, parts.run, parts.model, parts.total
+    if backend.is_main:
+        run.become_main()  # an elastic run may have made this worker rank 0
+    accum = backend.opts.accumulation_steps
+    global_batch = cfg.batch_size * backend.world_size * accum
+    run.print(
+        f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
+        f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
+    )
+    data = batches(task.dataset, cfg, backend, pos)
+    window = MetricWindow(backend, task, run, cfg, total, parts.stop)
+    bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
+    model.train()
+    if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
+        save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+    while pos.step < total:
+        for micro in range(accum):
+            batch = task.prepare_batch(next(data), backend.device)
+            with backend.accumulate(model, sync=micro == accum - 1):
+                with backend.autocast():
+                    loss, metrics = task.loss(model, batch, pos.step)
+                backend.backward(loss)
+            window.add(loss, metrics)
+        result = backend.step()
+        pos.step += 1
+        if bar is not None:
+            bar.update(1)
+        stopping = False
+        if pos.step % cfg.log_every == 0 or pos.step == total:
+            row, stopping = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
+            if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
+                raise FloatingPointError(
+                    f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
+                )
+        if cfg.sample_every and pos.step % cfg.sample_every == 0:
+            write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step)
+        if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
+            save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+            export(task, model, backend)
+        if stopping:
+            run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
+            break
+        parts.recovery.commit(pos)
+    if bar is not None:
+        bar.close()
+    return pos
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay for biases, norms and embeddings (1-D params and nn.Embedding)."""
+    no_decay = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (rest if p.dim() < 2 or id(p) in no_decay else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def resume(resume_flag: str, backend, run: RunDir) -> Position:
+    """The position of the checkpoint --resume names (or, for 'auto', the newest one that loads), else step 0."""
+    for candidate in resolve_resume(resume_flag, run.checkpoints):
+        try:
+            pos = Position(**backend.load_checkpoint(candidate))
+        except (ValueError, FileNotFoundError, KeyError, TypeError) as e:  # damaged: fall back to an older one
+            run.print(f"skipping checkpoint {candidate}: {e}")
+            continue
+        run.print(f"resumed from {candidate} at step {pos.step}")
+        return pos
+    if resume_flag and resume_flag != "auto":
+        raise ValueError(f"--resume {resume_flag}: the checkpoint could not be loaded (see above)")
+    return Position()
+
+
+def write_samples(task: Task, model, backend, path: str, step: int) -> None:
+    """Every rank generates (sharded parameters need every rank to gather); rank 0 writes."""
+    with backend.full_params(model) as module:
+        module.eval()
+        task.write_samples(module, step, path if backend.is_main else None)
+        module.train()
+
+
+def export(task: Task, model, backend) -> None:
+    weights = backend.full_state_dict(model)  # collective: gathers shards on every rank
+    if backend.is_main:
+        task.export(weights)
+    backend.barrier()
+
+
+__all__ = ["Position", "ShardedSampler", "param_groups", "total_steps", "train"]

@@ -1,0 +1,35 @@
+"""The Task contract: everything the loop reads of what it trains. Tasks are built whole by the trainers
+(nothing is patched in afterwards); the loop never asks which task it has."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class Task(Protocol):
+    name: str  # "vae", "dalle": names the run in messages
+    model: nn.Module  # the trained module, before any backend wrapping
+    dataset: torch.utils.data.Dataset  # indexed, or an IterableDataset (streamed shards) with set_epoch(epoch)
+    export_path: str  # where export() writes the file generate.py reads
+    tokens_per_sample: int  # transformer positions (or image tokens) per sample, for tokens/s
+
+    def activation_bytes(self, batch_size: int) -> float:
+        """Activation memory of one micro-batch, for the backends that size their sharding to the memory."""
+
+    def prepare_batch(self, batch, device: torch.device):
+        """A collated batch on `device`, ready for loss(); no grad, full precision (e.g. VAE tokens)."""
+
+    def loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to minimize and detached metrics, averaged over the micro-batch."""
+
+    def window_metrics(self) -> dict[str, float]:
+        """Metrics over the recent window, logged with the step's (codebook usage, truncated captions)."""
+
+    def write_samples(self, model: nn.Module, step: int, path: str | None) -> None:
+        """Called on every rank (sharded parameters are gathered collectively); writes `path` where not None."""
+
+    def export(self, weights: dict[str, torch.Tensor]) -> None:
+        """Rank 0: write `weights` (full, on the CPU) with the config to export_path."""

@@ -1,0 +1,196 @@
+"""The parts the torch-optimizer backends (single, DDP, FSDP, Horovod) share: the optimizer step with
+torch's GradScaler, resume checkpoints through torch.distributed.checkpoint, and the collectives of a
+torch.distributed process group (DeepSpeed uses those too)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .base import StepOptions, StepResult
+from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
+
+
+class TorchStepper:
+    """backward() and step() for a torch optimizer. `synchronize` makes the gradients the global average
+    before they are unscaled and clipped (DDP and FSDP did it in backward; Horovod waits for its allreduce
+    here); `stepping` wraps the optimizer step once they are (Horovod must not synchronize again)."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        scheduler,
+        opts: StepOptions,
+        device: torch.device,
+        synchronize: Callable[[], None] = lambda: None,
+        stepping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        self.model, self.optimizer, self.scheduler, self.opts = model, optimizer, scheduler, opts
+        self.synchronize, self.stepping = synchronize, stepping
+        # fp16 needs loss scaling: gradients of small losses underflow in half precision. GradScaler raises
+        # the scale every loss_scale_window steps without overflow; an overflow skips the step and halves it.
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            init_scale=2.0**opts.initial_scale_power,
+            growth_interval=opts.loss_scale_window,
+            enabled=opts.precision == "fp16",
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss / self.opts.accumulation_steps).backward()
+
+    def step(self) -> StepResult:
+        self.synchronize()
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.opts.clip_grad_norm if self.opts.clip_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
+        scale_before = self.loss_scale()
+        with self.stepping():
+            self.scaler.step(self.optimizer)  # skips the step when the unscaled gradients hold inf/nan
+        self.scaler.update()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        scale = self.loss_scale()
+        return StepResult(norm.detach(), torch.tensor(scale < scale_before), scale)  # the scale drops only on a skip
+
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+
+
+class TorchCheckpointer:
+    """Model and optimizer through torch.distributed.checkpoint (DCP): every rank writes its own shards, keyed
+    by parameter name, and DCP reshards on load, so a checkpoint of any torch backend at any world size resumes
+    on any other (and under DeepSpeed, whose portable form is the same layout). Scheduler, scaler and the
+    loop's state go to one small file from rank 0, RNG states to one file per rank.
+
+    `writes`: whether this rank takes part in DCP's save; without a process group (Horovod, one process) the
+    states are replicated and rank 0 alone writes them. `init_optimizer_state` creates the optimizer's state
+    before a load (DCP's own way, a step on zero gradients, moves weights that the load then overwrites)."""
+
+    def __init__(self, model, optimizer, stepper: TorchStepper, rank: int, barrier, init_optimizer_state=None):
+        self.model, self.optimizer, self.stepper, self.rank, self.barrier = model, optimizer, stepper, rank, barrier
+        self.init_optimizer_state = init_optimizer_state or (lambda: None)
+
+    def _dcp(self, directory: str) -> dict:
+        return {"checkpoint_id": os.path.join(directory, "dcp"), "no_dist": not dist.is_initialized()}
+
+    def save(self, directory: str, state: dict) -> None:
+        to_save = {"model": get_model_state_dict(self.model)}
+        # before the first step the optimizer has no state, and get_optimizer_state_dict would create it
+        # by running optimizer.step() on zero gradients, which moves the weights (weight decay, Adam's step)
+        has_optimizer_state = len(self.optimizer.state) > 0
+        if has_optimizer_state:
+            to_save["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if dist.is_initialized() or self.rank == 0:
+            dcp.save(to_save, **self._dcp(directory))
+        if self.rank == 0:
+            save_shared_file(
+                directory,
+                {
+                    "scheduler": self.stepper.scheduler.state_dict(),
+                    "scaler": self.stepper.scaler.state_dict(),
+                    "state": state,
+                    "has_optimizer_state": has_optimizer_state,
+                },
+            )
+        save_rank_file(directory, self.rank)
+
+    def load(self, directory: str) -> dict:
+        shared = load_shared_file(directory)
+        if not os.path.isdir(os.path.join(directory, "dcp")):
+            raise ValueError(f"{directory} has no dcp/ folder: it holds no resume checkpoint")
+        sd = {"model": get_model_state_dict(self.model)}
+        if shared["has_optimizer_state"]:
+            self.init_optimizer_state()
+            sd["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(sd, **self._dcp(directory))
+        set_model_state_dict(self.model, sd["model"])  # after the optimizer's initializing step above
+        if shared["has_optimizer_state"]:
+            set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])
+        self.stepper.scheduler.load_state_dict(shared["scheduler"])
+        self.stepper.scaler.load_state_dict(shared["scaler"])
+        load_rank_file(directory, self.rank)
+        self.barrier()
+        return shared["state"]
+
+
+class ProcessGroup:
+    """Collectives over torch.distributed (NCCL on GPUs, Gloo on CPUs)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def all_reduce(self, tensor, op="mean"):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor
+
+    def broadcast_object(self, obj, src=0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def export_launcher_env(topo) -> None:
+    """env:// lets torchrun hand over its own store (and a fresh one after a restart); SLURM and mpirun only
+    describe the topology, so the variables are filled from it."""
+    for key, value in (
+        ("MASTER_ADDR", topo.master_addr),
+        ("MASTER_PORT", topo.master_port),
+        ("RANK", topo.rank),
+        ("WORLD_SIZE", topo.world_size),
+        ("LOCAL_RANK", topo.local_rank),
+    ):
+        os.environ.setdefault(key, str(value))
+
+
+def init_process_group(topo, device: torch.device) -> ProcessGroup:
+    if not dist.is_initialized():
+        export_launcher_env(topo)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method="env://",
+            rank=topo.rank,
+            world_size=topo.world_size,
+            timeout=datetime.timedelta(minutes=30),
+        )
+    return ProcessGroup(topo.world_size)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def attach_torch_parts(backend, model, make_optimizer, make_scheduler, init_optimizer_state=None, **stepping):
+    """Build the optimizer and scheduler on the (wrapped) model and give `backend` a TorchStepper and a
+    TorchCheckpointer over them. `stepping`: TorchStepper's synchronize / stepping hooks. Returns what
+    prepare() returns."""
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer)
+    backend.stepper = TorchStepper(model, optimizer, scheduler, backend.opts, backend.device, **stepping)
+    backend.checkpointer = TorchCheckpointer(
+        model, optimizer, backend.stepper, backend.rank, backend.barrier, init_optimizer_state
+    )
+    return model, optimizer, scheduler
