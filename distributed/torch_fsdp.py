@@ -44,7 +44,13 @@ class FSDPBackend(Backend):
 
     @contextlib.contextmanager
     def full_params(self, model):
+        # whole until the context ends, even across forwards (which reshard after themselves in training) and
+        # methods that are not forward (a decode step), which FSDP's hooks never see. The root keeps its
+        # parameters after forward anyway (FSDP2's heuristic), so only the blocks are switched.
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        blocks = [m for m in modules if m is not model]
+        for m in blocks:
+            m.set_reshard_after_forward(False, recurse=False)
         for m in modules:
             m.unshard()
         try:
@@ -52,6 +58,8 @@ class FSDPBackend(Backend):
         finally:
             for m in modules:
                 m.reshard()
+            for m in blocks:
+                m.set_reshard_after_forward(True, recurse=False)
 
     def full_state_dict(self, model):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

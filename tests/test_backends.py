@@ -5,8 +5,8 @@ import torch
 
 from arguments import TrainConfig
 from distributed import HorovodOptions, StepOptions, Topology, make_backend, make_recovery
-from distributed.topology import resolve_backend, topology_from_env
 from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
+from distributed.topology import resolve_backend, topology_from_env
 
 
 def _prepared(precision="fp16"):

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from dalle_pytorch.dalle import DALLE, DALLEConfig
-from dalle_pytorch.sampling import filter_logits, generate_image_tokens
-from dalle_pytorch.tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer, tokenizer_from_dict
-from dalle_pytorch.transformer import ATTN_TYPES
+from dalle_pytorch.data.tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer, tokenizer_from_dict
+from dalle_pytorch.models.dalle import DALLE, DALLEConfig
+from dalle_pytorch.models.sampling import filter_logits, generate_image_tokens, pick_token
+from dalle_pytorch.models.transformer import ATTN_TYPES, shift_tokens
 
 T, F, VT, VI = 6, 4, 20, 12
 
@@ -38,19 +38,46 @@ VARIANTS = [dict(attn_types=[t]) for t in ATTN_TYPES] + [
 ]
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def variant_id(kw):
+    return "-".join(f"{k}={v}" for k, v in kw.items())
+
+
+def assert_depends_from(base, changed, t):
+    """Logits (b, n, V) of two sequences that differ from sequence index t on: input position p holds
+    sequence index p - 1, so positions <= t must be unchanged and every later position must change."""
+    torch.testing.assert_close(base[:, : t + 1], changed[:, : t + 1])  # -inf entries must match too
+    diff = (base.nan_to_num() - changed.nan_to_num()).abs().amax(dim=-1)  # (b, n); -inf - -inf counts as 0
+    later = diff[:, t + 1 :]
+    assert (later > 1e-5).all(), f"positions after {t} ignore the change: {later.tolist()}"
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=variant_id)
 def test_causality(kw):
     m = model(**kw)
     text, image = batch()
+    seq = torch.cat([text, image], 1)  # the full sequence
     base = m.logits(text, image)
     n = base.shape[1]
     for t in (2, T, T + 3, n - 2):
-        seq = torch.cat([text, image], 1).clone()  # the full sequence; input position p holds seq[p - 1]
-        seq[:, t:] = (seq[:, t:] + 1) % VI  # change every token from sequence index t on
-        changed = m.logits(seq[:, :T], seq[:, T:])
-        # input position p sees tokens up to sequence index p - 1, so positions <= t are unaffected
-        assert torch.equal(torch.isinf(base[:, : t + 1]), torch.isinf(changed[:, : t + 1]))
-        torch.testing.assert_close(base[:, : t + 1], changed[:, : t + 1])
+        changed = seq.clone()
+        changed[:, t:] = (changed[:, t:] + 1) % VI  # change every token from sequence index t on
+        assert_depends_from(base, m.logits(changed[:, :T], changed[:, T:]), t)
+    for t in (0, T - 1):  # one caption token: every later position sees all of the text, in every pattern
+        changed = seq.clone()
+        changed[:, t] = changed[:, t] % (VT - 1) + 1
+        assert_depends_from(base, m.logits(changed[:, :T], changed[:, T:]), t)
+
+
+def test_token_shift_reads_previous_left_and_above():
+    # text_len 2, a 3x3 image: position 0 is bos, 1-2 text, 3-10 image tokens 0-7 (rows of 3).
+    # Each position's features are its position + 1, so 0 means "no neighbour".
+    x = torch.arange(1.0, 12.0)[None, :, None].expand(1, 11, 8)
+    prev_or_left = [0, 1, 2, 0, 4, 5, 0, 7, 8, 0, 10]  # text: previous token; image: the one to the left
+    self_or_above = [1, 2, 3, 0, 0, 0, 4, 5, 6, 7, 8]  # text: itself; image: the one above
+    want = torch.tensor([prev_or_left] * 2 + [self_or_above] * 2 + [list(range(1, 12))] * 4).T[None].float()
+    torch.testing.assert_close(shift_tokens(x, torch.arange(11), 2, 3), want)
+    for p in range(11):  # one position, as decoding asks for it
+        torch.testing.assert_close(shift_tokens(x, torch.tensor([p]), 2, 3), want[:, p : p + 1])
 
 
 def test_logits_mask():
@@ -93,28 +120,39 @@ def test_cached_equals_uncached(kw, temperature):
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
-def test_static_decode_step_equals_decode_one_token(kw):
-    """decode_step (tensor position, whole static cache, for torch.compile) gives decode_one_token's logits
-    at every position, with every attention type, rotary positions and token shift."""
+@pytest.mark.parametrize("prime", [0, 5])
+@pytest.mark.parametrize("kw", VARIANTS, ids=variant_id)
+def test_prefill_and_decode_step_equal_the_full_forward(kw, prime):
+    """prefill, then decode_step one token at a time over the static cache, gives at every position the
+    logits of one full forward, with every attention type and option."""
     m = model(**kw)
     text, image = batch()
-    caches = [m.new_cache(2, "cpu") for _ in range(2)]
+    full = m.logits(text, image)[:, T:, VT:]  # (b, I, VI): position T + k predicts image token k
+    cache = m.new_cache(2, "cpu")
     with torch.no_grad():
-        for cache in caches:
-            m.prefill(text, cache)
-        for k in range(1, F * F):
-            sliced = m.decode_one_token(text, image[:, :k], caches[0])
-            static = m.decode_step(image[:, k - 1], torch.tensor(T + k), caches[1])
-            torch.testing.assert_close(static, sliced, rtol=1e-5, atol=1e-5)
+        got = [m.prefill(text, cache, image[:, :prime] if prime else None)]
+        for k in range(prime, F * F - 1):
+            got.append(m.decode_step(image[:, k], torch.tensor(T + 1 + k), cache))
+    for k, logits in enumerate(got, start=prime):
+        torch.testing.assert_close(logits, full[:, k], rtol=1e-4, atol=1e-5, msg=lambda s, k=k: f"token {k}: {s}")
 
 
 @pytest.mark.slow
-def test_compiled_decode_gives_the_same_tokens():
+def test_compiled_decode_gives_the_same_tokens_with_one_graph():
+    from torch._dynamo.utils import counters
+
     m = model(shift_tokens=True, rotary_emb=True, attn_types=["full", "axial_row"])
     text, _ = batch()
-    out = [generate_image_tokens(m, text, generator=torch.Generator().manual_seed(5), compile=c) for c in (False, True)]
-    assert torch.equal(out[0], out[1])
+    eager = generate_image_tokens(m, text, generator=torch.Generator().manual_seed(5))
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = generate_image_tokens(m, text, generator=torch.Generator().manual_seed(5), compile=True)
+    assert torch.equal(eager, compiled)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one graph for every position: no recompiles
+
+
+def test_compile_needs_the_cache():
+    with pytest.raises(ValueError, match="use_cache=True"):
+        generate_image_tokens(model(), batch()[0], use_cache=False, compile=True)
 
 
 def test_priming_keeps_the_prime():
@@ -124,7 +162,7 @@ def test_priming_keeps_the_prime():
     assert torch.equal(out[:, :5], image[:, :5]) and out.shape == image.shape
 
 
-def test_guidance_changes_logits_and_keeps_prompt():
+def test_guidance_changes_tokens_and_keeps_prompt():
     m = model()
     text, _ = batch()
     before = text.clone()
@@ -133,10 +171,35 @@ def test_guidance_changes_logits_and_keeps_prompt():
     guided = generate_image_tokens(m, text, temperature=0, cond_scale=5.0, generator=g())
     assert torch.equal(text, before)
     assert not torch.equal(plain, guided)
-    # guided logits really differ from conditional ones at the first step
-    cond = m.next_image_logits_uncached(text, text.new_zeros(2, 0))
-    uncond = m.next_image_logits_uncached(torch.zeros_like(text), text.new_zeros(2, 0))
-    assert not torch.allclose(cond, uncond + (cond - uncond) * 5.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guidance_at_scale_zero_samples_the_unconditional_model(temperature):
+    """cond_scale 0 keeps only the unconditional rows: the tokens of plain sampling from an empty caption."""
+    m = model()
+    text, _ = batch()
+    g = lambda: torch.Generator().manual_seed(4)  # noqa: E731
+    uncond = generate_image_tokens(m, torch.zeros_like(text), temperature=temperature, generator=g())
+    guided = generate_image_tokens(m, text, temperature=temperature, cond_scale=0.0, generator=g())
+    assert torch.equal(guided, uncond)
+    # not vacuous: the caption changes greedy samples (at temperature 1 this untrained model's logits are
+    # too flat for the caption to move the Gumbel-max picks)
+    greedy = [generate_image_tokens(m, t, temperature=0, generator=g()) for t in (text, torch.zeros_like(text))]
+    assert not torch.equal(*greedy)
+
+
+def test_guidance_extrapolates_away_from_the_unconditional_logits():
+    # cond prefers token 0, uncond token 2; token 1 gains most from the caption, so guidance at scale 3
+    # picks it: uncond + 3 (cond - uncond) = [4, 5.7, -4]. Rows are [cond; uncond]; both continue with the pick.
+    logits = torch.tensor([[2.0, 1.9, 0.0], [1.0, 0.0, 2.0]])
+    noise = torch.zeros(())  # unused at temperature 0
+
+    def pick(cond_scale):
+        return pick_token(logits, noise, 0.0, 0, 1.0, cond_scale).tolist()
+
+    assert pick(1.0) == [0, 2]  # no guidance: each row its own argmax
+    assert pick(3.0) == [1, 1]
+    assert pick(0.0) == [2, 2]  # the unconditional row alone
 
 
 def test_top_k_top_p_keep_exactly_the_allowed_set():

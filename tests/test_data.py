@@ -74,3 +74,38 @@ def test_webdataset_corrupt_sample_skipped(tmp_path):
     with pytest.warns(UserWarning, match="skipping an unreadable"):
         assert list(ds) == []
     assert ds.num_skipped == 1
+
+
+def test_streamed_vae_run_without_steps_is_the_loops_message(tmp_path, capsys):
+    """A stream has no length: the trainer says to set --steps (it once ended in a TypeError traceback)."""
+    from helpers import TINY_VAE_MODEL
+
+    import train_vae
+
+    export_wds(str(tmp_path / "shards"), 8, image_size=16, per_shard=4)
+    urls = str(tmp_path / "shards" / "shard-{000000..000001}.tar")
+    with pytest.raises(SystemExit):
+        train_vae.main([*TINY_VAE_MODEL, "--wds", "png", "--image_folder", urls, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "no known length: set --steps" in err and "Traceback" not in err
+
+
+def test_the_text_tokenizer_builder(tmp_path):
+    """One builder for the trainers and convert: a BPE trained on rank 0 beside the run, kept when resuming,
+    retrained for a new run, read back without data (convert), and a clear error when it is missing."""
+    from dalle_pytorch.data.build import build_text_tokenizer
+    from dalle_pytorch.data.shapes import ShapesDataset
+
+    flags = {"bpe_path": "", "hug": False, "tokenizer": "yttm", "bpe_vocab_size": 64}
+    barriers = []
+    tok = build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), barrier=lambda: barriers.append(1))
+    assert barriers == [1] and tok.vocab_size == 64
+    path = tmp_path / "bpe.yttm"
+    stamp = path.stat().st_mtime_ns
+    build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), resuming=True)
+    assert path.stat().st_mtime_ns == stamp  # a resumed run keeps its vocabulary
+    read = build_text_tokenizer(flags, str(tmp_path))
+    assert read.encode("a red circle") == tok.encode("a red circle")
+    assert build_text_tokenizer({**flags, "tokenizer": "byte"}, str(tmp_path)).vocab_size == 257
+    with pytest.raises(FileNotFoundError, match="bpe.yttm is missing"):
+        build_text_tokenizer(flags, str(tmp_path / "elsewhere"))

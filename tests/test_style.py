@@ -52,7 +52,7 @@ def test_the_layers_import_one_way():
         own = folder.replace("/", ".")
         for path in python_files(folder):
             for name in imports(path):
-                if not name.split(".")[0] in OURS:
+                if name.split(".")[0] not in OURS:
                     continue
                 target = layer(name)
                 if target in ("leaf", own) or target in allowed or name == "dalle_pytorch":

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config_utils import flag
+from ..config import flag
 from .transformer import ATTN_TYPES, KVCache, Transformer
 
 
@@ -109,26 +109,29 @@ class DALLE(nn.Module):
         if image is not None and (image.dim() != 2 or image.shape[1] > c.image_seq_len):
             raise ValueError(f"image must be (b, <= {c.image_seq_len}) token ids, got {tuple(image.shape)}")
 
-    def embed(self, text: torch.Tensor, image: torch.Tensor | None, start: int = 0) -> torch.Tensor:
-        """Embeddings of input positions start.. for [bos, text, image tokens given]: (b, m, dim)."""
-        b, c = text.shape[0], self.cfg
-        parts = []
-        if start <= c.text_seq_len:
-            t = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
-            if not c.rotary_emb:
-                t = t + self.text_pos.weight
-            parts.append(t[:, start:])
-        if image is not None and image.shape[1]:
-            first = max(start - c.text_seq_len - 1, 0)
-            img = self.image_emb(image[:, first:])
-            if not c.rotary_emb:
-                idx = torch.arange(first, image.shape[1], device=image.device)
-                img = img + self.image_row(idx // c.image_fmap_size) + self.image_col(idx % c.image_fmap_size)
-            parts.append(img)
-        return torch.cat(parts, dim=1)
+    def _embed_image(self, tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Image tokens (b, k) at image indices idx (k,) -> (b, k, dim), with their row and column positions."""
+        x = self.image_emb(tokens)
+        if not self.cfg.rotary_emb:
+            f = self.cfg.image_fmap_size
+            x = x + self.image_row(idx // f) + self.image_col(idx % f)
+        return x
 
-    def _hidden(self, text, image, cache=None, start=0):
-        return self.divide_max(self.norm(self.transformer(self.embed(text, image, start), cache, start)))
+    def embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        """Embeddings of the input positions [bos, text, image tokens given]: (b, 1 + text_seq_len + k, dim)."""
+        b, c = text.shape[0], self.cfg
+        x = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
+        if not c.rotary_emb:
+            x = x + self.text_pos.weight
+        if image is not None and image.shape[1]:
+            x = torch.cat([x, self._embed_image(image, torch.arange(image.shape[1], device=image.device))], dim=1)
+        return x
+
+    def _final(self, h: torch.Tensor) -> torch.Tensor:
+        return self.divide_max(self.norm(h))
+
+    def _hidden(self, text, image, cache: KVCache | None = None) -> torch.Tensor:
+        return self._final(self.transformer(self.embed(text, image), cache))
 
     def logits(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         """(b, seq_len, num_text_tokens + num_image_tokens), -inf where a position may not predict a token."""
@@ -171,31 +174,18 @@ class DALLE(nn.Module):
         return KVCache(batch, c.seq_len, c.depth, c.heads, c.dim_head, c.dim, device, dtype, c.shift_tokens)
 
     def prefill(self, text: torch.Tensor, cache: KVCache, image_prime: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the caption (and any priming image tokens) through the model; logits for the next image token (b, V)."""
+        """Run the caption (and any priming image tokens (b, k)) through the model, filling the cache's
+        positions 0..T+k; logits for the next image token (b, num_image_tokens)."""
         self._check(text, image_prime)
-        h = self._hidden(text, image_prime, cache, 0)
-        return self.image_head(h[:, -1]).float()
-
-    def decode_one_token(self, text: torch.Tensor, image: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Given image tokens so far (b, k) with k >= 1, logits for image token k (b, V); one new position."""
-        start = self.cfg.text_seq_len + image.shape[1]
-        h = self._hidden(text, image, cache, start)
+        h = self._hidden(text, image_prime, cache)
         return self.image_head(h[:, -1]).float()
 
     def decode_step(self, token: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """decode_one_token for compiling: the newest image token (b,) at input position `pos` (a 0-dim
-        tensor) -> logits for the next one (b, V). No shape depends on the position, so torch.compile builds
-        one graph for every step (attention runs over the whole static cache, later keys masked; in eager
-        mode that is ~10% slower than decode_one_token's slices on CPU)."""
-        c = self.cfg
-        x = self.image_emb(token)[:, None]  # (b, 1, d)
-        if not c.rotary_emb:
-            idx = pos - c.text_seq_len - 1  # the token's index in the image
-            x = x + self.image_row(idx // c.image_fmap_size) + self.image_col(idx % c.image_fmap_size)
-        h = self.divide_max(self.norm(self.transformer(x, cache, pos)))
-        return self.image_head(h[:, -1]).float()
-
-    def next_image_logits_uncached(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        """Reference path without a cache: the whole prefix every step (for tests and comparison)."""
-        h = self._hidden(text, image)
+        """The newest image token (b,) at input position `pos` (a 0-dim long tensor, after prefill filled
+        positions 0..pos-1) -> logits for the next image token (b, num_image_tokens). The one decode path,
+        eager and compiled: no shape depends on the position, so torch.compile builds one graph for every
+        step. Attention reads the whole static cache with later keys masked (measured on CPU: ~10% slower
+        per step in eager mode than attending over a slice of the filled keys)."""
+        idx = (pos - self.cfg.text_seq_len - 1).view(1)  # the token's index in the image
+        h = self._final(self.transformer.decode(self._embed_image(token[:, None], idx), pos, cache))
         return self.image_head(h[:, -1]).float()

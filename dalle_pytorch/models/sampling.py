@@ -55,8 +55,11 @@ def generate_image_tokens(
     compile: bool = False,
     on_token=None,
 ) -> torch.Tensor:
-    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. compile: each step (decode and
+    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. use_cache=False recomputes the
+    whole prefix every token (the reference the cache is checked against). compile: each step (decode and
     pick) through torch.compile, one graph for every position, compiled once per model, batch and settings."""
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True (drop --no_cache)")
     cfg = model.cfg
     b = text.shape[0]
     guided = cond_scale != 1.0
@@ -65,14 +68,13 @@ def generate_image_tokens(
     if guided:
         image = torch.cat([image, image])
     k0 = image.shape[1]
-    cache = model.new_cache(rows.shape[0], text.device, next(model.parameters()).dtype) if use_cache else None
-    logits = (
-        model.prefill(rows, cache, image if k0 else None)
-        if use_cache
-        else model.next_image_logits_uncached(rows, image)
-    )
     settings = (temperature, top_k, top_p, cond_scale)
-    step = _compiled_step(model, settings) if compile and use_cache else None
+    if use_cache:
+        cache = model.new_cache(rows.shape[0], text.device, next(model.parameters()).dtype)
+        logits = model.prefill(rows, cache, image if k0 else None)
+        step = _compiled_step(model, settings) if compile else _step(model, settings)
+    else:
+        logits = _next_logits_uncached(model, rows, image)
     vocab = logits.shape[-1]
 
     def noise():  # drawn here, in the same order with or without compile, so a seed gives the same images
@@ -87,25 +89,35 @@ def generate_image_tokens(
             on_token()
         if k + 1 == cfg.image_seq_len:
             break
-        if step is not None:  # decode token k, pick token k + 1, in one compiled graph
+        if use_cache:  # decode token k at input position T + 1 + k, pick token k + 1
             new = step(new, torch.tensor(cfg.text_seq_len + k + 1, device=text.device), cache, noise())
-            continue
-        if use_cache:
-            logits = model.decode_one_token(rows, image, cache)
         else:
-            logits = model.next_image_logits_uncached(rows, image)
-        new = pick_token(logits, noise(), *settings)
+            new = pick_token(_next_logits_uncached(model, rows, image), noise(), *settings)
     return image[:b]
 
 
+def _next_logits_uncached(model, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """Logits for image token k given tokens (b, k) so far, from a full forward over the prefix. logits()
+    never feeds its last image token in, so a placeholder there puts every given token in the input."""
+    placeholder = image.new_zeros(image.shape[0], 1)
+    return model.logits(text, torch.cat([image, placeholder], dim=1))[:, -1, model.cfg.num_text_tokens :].float()
+
+
+def _step(model, settings: tuple):
+    """One decode step and the pick that follows it: the same function eager and compiled."""
+
+    def step(token, pos, cache, noise):
+        return pick_token(model.decode_step(token, pos, cache), noise, *settings)
+
+    return step
+
+
 def _compiled_step(model, settings: tuple):
-    """decode_step then pick_token through torch.compile, kept on the model so later batches reuse it.
-    Inductor's freezing folds the weights in as constants and prepacks them for the CPU's matmul library."""
+    """_step through torch.compile, kept on the model so later batches reuse it. Inductor's freezing folds
+    the weights in as constants and prepacks them for the CPU's matmul library."""
     compiled = model.__dict__.setdefault("_compiled_steps", {})
     if settings not in compiled:
-
-        def step(token, pos, cache, noise):
-            return pick_token(model.decode_step(token, pos, cache), noise, *settings)
-
-        compiled[settings] = torch.compile(step, fullgraph=True, dynamic=False, options={"freezing": True})
+        compiled[settings] = torch.compile(
+            _step(model, settings), fullgraph=True, dynamic=False, options={"freezing": True}
+        )
     return compiled[settings]

@@ -8,6 +8,7 @@ per attention type from the layout; the KV cache lets generation decode one toke
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,106 +74,103 @@ def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
-def shift_tokens(x: torch.Tensor, text_len: int, fmap: int, start: int = 0) -> torch.Tensor:
-    """Token shift (after lucidrains' DALLE-pytorch, itself after RWKV): mix in neighbours' features.
-
-    x (b, m, d) holds positions start..start+m-1 of the whole history `x` (start > 0 only when decoding,
-    where x is the full history and only the last row is returned). Text: a quarter of the features come
-    from the previous token. Image: a quarter from the token to the left, a quarter from the token above.
-    """
-    n_hist, d = x.shape[1], x.shape[-1]
-    q = d // 4
-    pos = torch.arange(start, n_hist, device=x.device) if start else torch.arange(n_hist, device=x.device)
-    img = pos - text_len - 1
-    prev = (pos - 1).clamp(min=0)
-    above = torch.where(img >= fmap, pos - fmap, pos)  # same position = no shift (zeroed below)
-    left = torch.where((img >= 0) & (img % fmap != 0), pos - 1, pos)
-    zero = torch.zeros_like(x[:, :1, :q])
-    text_shift = torch.where((pos > 0)[None, :, None], x[:, prev, :q], zero)
-    left_feat = torch.where((left != pos)[None, :, None], x[:, left, :q], zero)
-    above_feat = torch.where((above != pos)[None, :, None], x[:, above, q : 2 * q], zero)
-    cur = x[:, pos]
-    is_img = (img >= 0)[None, :, None]
-    first = torch.where(is_img, left_feat, text_shift)
-    second = torch.where(is_img, above_feat, cur[..., q : 2 * q])
-    return torch.cat([first, second, cur[..., 2 * q :]], dim=-1)
-
-
-def shift_token_at(hist: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int) -> torch.Tensor:
-    """shift_tokens for the one position `pos` (a 0-dim tensor) of the history `hist` (b, n, d): the same
-    features, read with index_select so that the shapes do not depend on the position."""
-    q = hist.shape[-1] // 4
-    img = pos - text_len - 1
+def shift_tokens(x: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int) -> torch.Tensor:
+    """Token shift (after lucidrains' DALLE-pytorch, itself after RWKV) at the positions `pos` (m,) of the
+    sequence x (b, n, d): (b, m, d). Text: the first quarter of the features comes from the previous token.
+    Image: the first quarter from the token to the left, the second from the token above (zeros past the
+    image's edges). Neighbours are gathered by index, so the whole sequence (pos = arange(n)) and one decode
+    position (pos of length 1, x the cached history) share this code and no shape depends on the position."""
+    q = x.shape[-1] // 4
+    img = pos - text_len - 1  # image index held at each position (negative for bos and text)
     is_img = img >= 0
-    left = torch.where(is_img & (img % fmap != 0), pos - 1, pos)
-    above = torch.where(img >= fmap, pos - fmap, pos)
-    cur = hist.index_select(1, pos.view(1))  # (b, 1, d)
-    zero = torch.zeros_like(cur[..., :q])
-    text_shift = torch.where(pos > 0, hist.index_select(1, (pos - 1).clamp(min=0).view(1))[..., :q], zero)
-    left_feat = torch.where(left != pos, hist.index_select(1, left.view(1))[..., :q], zero)
-    above_feat = torch.where(above != pos, hist.index_select(1, above.view(1))[..., q : 2 * q], zero)
-    first = torch.where(is_img, left_feat, text_shift)
-    second = torch.where(is_img, above_feat, cur[..., q : 2 * q])
-    return torch.cat([first, second, cur[..., 2 * q :]], dim=-1)
+    # source position of each quarter; -1 where the neighbour is missing (before bos, past an image edge)
+    first = torch.where(is_img & (img % fmap == 0), -1, pos - 1)  # text: previous token; image: left
+    second = torch.where(is_img, torch.where(img >= fmap, pos - fmap, -1), pos)  # image: above; text: itself
+
+    def take(src: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # features lo:hi of the rows src (b, m, hi - lo)
+        # indexing, not index_select: index_select on a feature slice (non-contiguous) is ~10x slower on CPU
+        return x[:, src.clamp(min=0), lo:hi].masked_fill((src < 0)[None, :, None], 0.0)
+
+    return torch.cat([take(first, 0, q), take(second, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
+
+
+@dataclass
+class LayerCache:
+    """One layer's static buffers: keys and values (b, h, n_max, d_head), and, with token shift, the inputs
+    of the attention and feed-forward branches (b, n_max, dim) whose neighbours the shift reads."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_in: torch.Tensor | None
+    ff_in: torch.Tensor | None
 
 
 class KVCache:
-    """Static per-layer key/value buffers (b, h, n_max, d), and the input history token shift needs."""
+    """Static per-layer buffers for the whole sequence (gpt-fast style): decoding writes one row at a time."""
 
     def __init__(
         self, batch: int, n_max: int, depth: int, heads: int, dim_head: int, dim: int, device, dtype, shift: bool
     ):
-        shape = (batch, heads, n_max, dim_head)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(depth)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(depth)]
-        hist = (batch, n_max, dim)
-        self.attn_in = [torch.zeros(hist, device=device, dtype=dtype) for _ in range(depth)] if shift else None
-        self.ff_in = [torch.zeros(hist, device=device, dtype=dtype) for _ in range(depth)] if shift else None
+        def zeros(*shape):
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        self.layers = [
+            LayerCache(
+                k=zeros(batch, heads, n_max, dim_head),
+                v=zeros(batch, heads, n_max, dim_head),
+                attn_in=zeros(batch, n_max, dim) if shift else None,
+                ff_in=zeros(batch, n_max, dim) if shift else None,
+            )
+            for _ in range(depth)
+        ]
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, dim_head: int, dropout: float, qk_norm: bool):
+    def __init__(self, dim: int, heads: int, dim_head: int, dropout: float, qk_norm: bool, causal_only: bool):
         super().__init__()
         self.heads, self.dim_head = heads, dim_head
+        self.causal_only = causal_only  # the mask is plain causal: SDPA's fused is_causal path serves it
         self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.dropout = dropout
         self.q_norm = nn.LayerNorm(dim_head) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(dim_head) if qk_norm else nn.Identity()
 
-    def forward(self, x, mask, angles, is_full: bool, cache=None, layer: int = 0, start: int = 0):
+    def _qkv(self, x: torch.Tensor, angles: torch.Tensor | None):
         b, m, _ = x.shape
         q, k, v = self.to_qkv(x).view(b, m, 3, self.heads, self.dim_head).permute(2, 0, 3, 1, 4)  # (b, h, m, d)
         q, k = self.q_norm(q), self.k_norm(k)
-        if torch.is_tensor(start):  # one position at a tensor index: shapes independent of the position
-            return self._decode_at(q, k, v, mask, angles, cache, layer, start)
         if angles is not None:
-            q, k = apply_rotary(q, angles[start : start + m]), apply_rotary(k, angles[start : start + m])
-        if cache is not None:
-            cache.k[layer][:, :, start : start + m] = k
-            cache.v[layer][:, :, start : start + m] = v
-            k, v = cache.k[layer][:, :, : start + m], cache.v[layer][:, :, : start + m]
-        drop = self.dropout if self.training else 0.0
-        if is_full and start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)  # fused/flash path
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[start : start + m, : start + m], dropout_p=drop
-            )
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        return q, k, v
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, m, _ = out.shape  # (b, h, m, d)
         return self.to_out(out.transpose(1, 2).reshape(b, m, -1))
 
-    def _decode_at(self, q, k, v, mask, angles, cache, layer: int, pos: torch.Tensor):
-        """Decode step (gpt-fast style static cache): write the new key/value at `pos`, attend over the whole
-        buffer with the mask row of `pos` (it hides every key after `pos`). One compiled graph serves all
-        positions; eager, it is as fast as slicing the cache."""
+    def forward(self, x, mask, angles, cache: LayerCache | None = None):
+        """Positions 0..m-1 of x (b, m, dim); with a cache, their keys and values are stored for decoding."""
+        m = x.shape[1]
+        q, k, v = self._qkv(x, None if angles is None else angles[:m])
+        if cache is not None:
+            cache.k[:, :, :m] = k
+            cache.v[:, :, :m] = v
+        drop = self.dropout if self.training else 0.0
+        if self.causal_only:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)  # fused/flash path
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop)
+        return self._out(out)
+
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor):
+        """The one position `pos` (0-dim tensor) of x (b, 1, dim): write its key and value at `pos`, attend
+        over the whole static buffer with mask row `pos`, which hides every key after it. No shape depends
+        on the position, so one compiled graph serves every step (gpt-fast's decode)."""
         at = pos.view(1)
-        if angles is not None:
-            a = angles.index_select(0, at)
-            q, k = apply_rotary(q, a), apply_rotary(k, a)
-        cache.k[layer].index_copy_(2, at, k)
-        cache.v[layer].index_copy_(2, at, v)
-        out = F.scaled_dot_product_attention(q, cache.k[layer], cache.v[layer], attn_mask=mask.index_select(0, at))
-        return self.to_out(out.transpose(1, 2).reshape(q.shape[0], 1, -1))
+        q, k, v = self._qkv(x, None if angles is None else angles.index_select(0, at))
+        cache.k.index_copy_(2, at, k)
+        cache.v.index_copy_(2, at, v)
+        return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask.index_select(0, at)))
 
 
 class FeedForward(nn.Module):
@@ -195,7 +193,7 @@ class Block(nn.Module):
         dim = cfg.dim
         self.attn_type = attn_type
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm)
+        self.attn = Attention(dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, attn_type == "full")
         self.ff = FeedForward(dim, cfg.ff_mult, cfg.ff_dropout)
         # sandwich norm (CogView): normalize each branch's output too
         self.post1 = nn.LayerNorm(dim) if cfg.sandwich_norm else nn.Identity()
@@ -207,25 +205,28 @@ class Block(nn.Module):
         self.shift = cfg.shift_tokens
         self.text_len, self.fmap = cfg.text_seq_len, cfg.image_fmap_size
 
-    def _shifted(self, h, hist, start):
+    def forward(self, x, mask, angles, cache: LayerCache | None = None):
+        """Positions 0..m-1 (training, logits, prefill); fills the cache's rows 0..m-1 when given one."""
+        pos = torch.arange(x.shape[1], device=x.device)
+        return self._residuals(x, pos, cache, lambda h: self.attn(h, mask, angles, cache))
+
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor):
+        """The one position `pos` (0-dim tensor) of x (b, 1, dim), reading and extending the cache."""
+        return self._residuals(x, pos.view(1), cache, lambda h: self.attn.decode(h, mask, angles, cache, pos))
+
+    def _residuals(self, x, pos, cache: LayerCache | None, attend):
+        h = self.post1(attend(self._shifted(self.norm1(x), pos, None if cache is None else cache.attn_in)))
+        x = x + (h * self.scale1 if self.scale1 is not None else h)
+        h = self.post2(self.ff(self._shifted(self.norm2(x), pos, None if cache is None else cache.ff_in)))
+        return x + (h * self.scale2 if self.scale2 is not None else h)
+
+    def _shifted(self, h, pos, history: torch.Tensor | None):
+        """Token shift of h (b, m, d) at positions pos (m,); with a cache, h is first written into the
+        history the shift reads its neighbours from."""
         if not self.shift:
             return h
-        if hist is None:
-            return shift_tokens(h, self.text_len, self.fmap)
-        if torch.is_tensor(start):
-            hist.index_copy_(1, start.view(1), h)
-            return shift_token_at(hist, start, self.text_len, self.fmap)
-        m = h.shape[1]
-        hist[:, start : start + m] = h
-        return shift_tokens(hist[:, : start + m], self.text_len, self.fmap, start=start)
-
-    def forward(self, x, mask, angles, cache=None, layer=0, start=0):
-        h = self._shifted(self.norm1(x), cache.attn_in[layer] if cache and cache.attn_in else None, start)
-        h = self.post1(self.attn(h, mask, angles, self.attn_type == "full", cache, layer, start))
-        x = x + (h * self.scale1 if self.scale1 is not None else h)
-        h = self._shifted(self.norm2(x), cache.ff_in[layer] if cache and cache.ff_in else None, start)
-        h = self.post2(self.ff(h))
-        return x + (h * self.scale2 if self.scale2 is not None else h)
+        seq = h if history is None else history.index_copy_(1, pos, h)
+        return shift_tokens(seq, pos, self.text_len, self.fmap)
 
 
 class Transformer(nn.Module):
@@ -240,7 +241,17 @@ class Transformer(nn.Module):
         angles = rotary_angles(cfg.text_seq_len, cfg.image_fmap_size, cfg.dim_head) if cfg.rotary_emb else None
         self.register_buffer("angles", angles, persistent=False)
 
-    def forward(self, x, cache: KVCache | None = None, start: int = 0):
+    def _mask(self, layer: Block) -> torch.Tensor:
+        return getattr(self, f"mask_{layer.attn_type}")
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, getattr(self, f"mask_{layer.attn_type}"), self.angles, cache, i, start)
+            x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i])
+        return x
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x (b, 1, dim) at position `pos` (0-dim tensor) -> (b, 1, dim), attending over the cache."""
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer.decode(x, self._mask(layer), self.angles, layer_cache, pos)
         return x
