@@ -136,10 +136,6 @@ class DiscreteVAE(nn.Module):
         """(b, c, s, s) in [0, 1] -> (b, f*f) long, row-major over the token grid."""
         return self.logits(images).argmax(dim=1).flatten(1)
 
-    def decode_embeddings(self, emb: torch.Tensor) -> torch.Tensor:
-        """(b, codebook_dim, f, f) -> (b, c, s, s), normalized space (not clamped: the loss needs gradients)."""
-        return self.decoder(emb)
-
     def _to_unit(self, x: torch.Tensor) -> torch.Tensor:
         return (x * self.std + self.mean).clamp(0, 1)
 
