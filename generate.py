@@ -3,8 +3,10 @@
     python generate.py --dalle_path runs/dalle/dalle.pt --text "a red circle above a blue square"
     python generate.py --dalle_path dalle.pt --text "a red circle|a blue square" --num_images 8 --cond_scale 3
     python generate.py --dalle_path dalle.pt --text_file prompts.txt --seed 1
+    python generate.py --dalle_path dalle.pt --text "a red circle" --clip_path clip.pt --num_images 64 --keep 8
 
-Writes outputs/<prompt>/0000.png ..., grid.png and settings.json per prompt.
+Writes outputs/<prompt>/0000.png ..., grid.png and settings.json per prompt. With --clip_path the images are
+ranked by CLIP (train_clip.py): the best --keep are written, best first, with their scores in settings.json.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--openai_vae_path", default="", help="where the OpenAI dVAE the DALLE was trained with is now (if it moved)"
     )
+    p.add_argument("--clip_path", default="", help="a CLIP export (train_clip.py) that ranks the images")
+    p.add_argument("--keep", type=int, default=0, help="with --clip_path: write the best N images (0: all, ranked)")
     p.add_argument("--outputs_dir", default="outputs", help="where the prompt folders go")
     p.add_argument("--device", default="", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--no_cache", action="store_true", help="recompute the whole prefix every token (slow; for checks)")
@@ -85,7 +89,8 @@ def _generate(args):
 
     from dalle_pytorch.data.folders import image_transform
     from dalle_pytorch.models.sampling import generate_image_tokens
-    from dalle_pytorch.training.export import load_dalle
+    from dalle_pytorch.models.clip import rank_by_clip
+    from dalle_pytorch.training.export import check_clip_fits, load_clip, load_dalle
 
     prompts = read_prompts(args)
     if args.num_images < 1 or args.batch_size < 1:
@@ -93,6 +98,14 @@ def _generate(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dalle, vae, tokenizer = load_dalle(args.dalle_path, device, args.vqgan_model_path, args.openai_vae_path)
     cfg = dalle.cfg
+    clip = None
+    if args.keep and not args.clip_path:
+        raise ValueError("--keep ranks the images with CLIP: give --clip_path clip.pt (train_clip.py writes one)")
+    if args.keep < 0 or args.keep > args.num_images:
+        raise ValueError(f"--keep must be between 0 and --num_images {args.num_images} (got {args.keep})")
+    if args.clip_path:
+        clip, clip_tokenizer = load_clip(args.clip_path, device)
+        check_clip_fits(clip, clip_tokenizer, args.dalle_path, args.clip_path)
     prime = None
     if args.img:
         if not os.path.exists(args.img):
@@ -129,12 +142,18 @@ def _generate(args):
                 prime=None if prime is None else prime.expand(b, -1),
                 on_token=lambda b=b: bar.update(b),
             )
-            images.append(vae.decode(tokens).cpu())
-        images = torch.cat(images)[:, :3]
+            images.append(vae.decode(tokens))
+        images = torch.cat(images)
+        settings = {k: v for k, v in vars(args).items() if k not in ("text", "text_file", "quiet", "debug")}
+        if clip is not None:  # DALL-E's reranking: CLIP scores every sample, the best are kept, best first
+            scores = rank_by_clip(clip, clip_tokenizer, prompt, images, args.batch_size)
+            order = scores.argsort(descending=True)[: args.keep or len(images)]
+            images = images[order]
+            settings["clip_scores"] = [round(v, 5) for v in scores[order].tolist()]
+        images = images[:, :3].cpu()
         for i, img in enumerate(images):
             save_image(img, os.path.join(folder, f"{i:04d}.png"))
         save_image(images, os.path.join(folder, "grid.png"), nrow=min(len(images), 8), padding=1)
-        settings = {k: v for k, v in vars(args).items() if k not in ("text", "text_file", "quiet", "debug")}
         with open(os.path.join(folder, "settings.json"), "w") as f:
             json.dump({"prompt": prompt, **settings}, f, indent=2)
         written.append(folder)

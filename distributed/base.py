@@ -38,6 +38,7 @@ class StepResult(NamedTuple):
 
 class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor: ...
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def broadcast_object(self, obj, src: int = 0): ...
     def barrier(self) -> None: ...
 
@@ -58,6 +59,9 @@ class Local:
     def all_reduce(self, tensor, op="mean"):
         if op not in ("mean", "sum"):
             raise ValueError(f"unknown reduce op {op!r}")
+        return tensor
+
+    def all_gather(self, tensor):
         return tensor
 
     def broadcast_object(self, obj, src=0):
@@ -142,6 +146,12 @@ class Backend:
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across ranks (in place where possible) and return the result; op is 'mean' or 'sum'."""
         return self.collectives.all_reduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order, with
+        gradients: the backward pass sends each rank the sum of every rank's gradients for its rows, so
+        data-parallel averaging gives the gradient of the mean loss (a contrastive loss over all ranks' pairs)."""
+        return self.collectives.all_gather(tensor)
 
     def broadcast_object(self, obj, src: int = 0):
         return self.collectives.broadcast_object(obj, src)

@@ -31,6 +31,9 @@ class HorovodCollectives:
         tensor.copy_(hvd.allreduce(tensor, op=hvd.Average if op == "mean" else hvd.Sum))
         return tensor
 
+    def all_gather(self, tensor):
+        return _AllGather.apply(tensor)
+
     def broadcast_object(self, obj, src=0):
         return hvd.broadcast_object(obj, root_rank=src)
 
@@ -38,6 +41,21 @@ class HorovodCollectives:
         if self.backend.joining:  # the running workers wait in the state sync, not here (see _ring_started)
             return
         hvd.barrier()
+
+
+class _AllGather(torch.autograd.Function):
+    """hvd.allgather whose backward sums every rank's gradient of this rank's rows (Horovod's own averages
+    them, which would shrink a contrastive loss's gradients by the world size under the optimizer's average)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.rows = tensor.shape[0]
+        return hvd.allgather(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = hvd.allreduce(grad.contiguous(), op=hvd.Sum)
+        return total[hvd.rank() * ctx.rows : (hvd.rank() + 1) * ctx.rows]
 
 
 class HorovodBackend(Backend):

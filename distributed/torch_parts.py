@@ -143,6 +143,11 @@ class ProcessGroup:
             tensor /= self.world_size
         return tensor
 
+    def all_gather(self, tensor):
+        import torch.distributed.nn.functional as dist_nn  # the differentiable collectives
+
+        return torch.cat(dist_nn.all_gather(tensor.contiguous()), dim=0)
+
     def broadcast_object(self, obj, src=0):
         box = [obj]
         dist.broadcast_object_list(box, src=src)

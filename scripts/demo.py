@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import generate  # noqa: E402
 import train_dalle  # noqa: E402
+import train_clip  # noqa: E402
 import train_vae  # noqa: E402
 from dalle_pytorch.eval import evaluate  # noqa: E402
 
@@ -28,7 +29,9 @@ def main(argv=None):
     p.add_argument("--out", default="demo", help="folder for the runs, the images and the evaluation")
     p.add_argument("--vae_steps", type=int, default=1200)
     p.add_argument("--dalle_steps", type=int, default=2000)
-    p.add_argument("--eval_images", type=int, default=200, help="generated images per split in the evaluation")
+    p.add_argument("--clip_steps", type=int, default=1500)
+    p.add_argument("--eval_images", type=int, default=200, help="captions per split in the evaluation")
+    p.add_argument("--candidates", type=int, default=16, help="samples per caption that CLIP reranks")
     args = p.parse_args(argv)
     t0 = time.time()
     common = ["--output_dir", os.path.join(args.out, "runs"), "--num_workers", "1", "--quiet", "--log_every", "100"]
@@ -55,6 +58,20 @@ def main(argv=None):
         ]
     )
     t2 = time.time()
+    clip_path = train_clip.main(
+        [
+            "--dalle_path",
+            dalle_path,
+            "--steps",
+            str(args.clip_steps),
+            "--save_every_n_steps",
+            "0",
+            "--sample_every",
+            "500",
+            *common,
+        ]
+    )
+    t3 = time.time()
     sampling = ["--temperature", "0.3"]  # sharper than the model's distribution: fewer malformed shapes
     folders = generate.main(
         [
@@ -64,6 +81,12 @@ def main(argv=None):
             CAPTIONS,
             "--outputs_dir",
             os.path.join(args.out, "outputs"),
+            "--clip_path",
+            clip_path,
+            "--num_images",
+            "16",
+            "--keep",
+            "4",
             "--quiet",
             *sampling,
         ]
@@ -74,6 +97,10 @@ def main(argv=None):
             vae_path,
             "--dalle_path",
             dalle_path,
+            "--clip_path",
+            clip_path,
+            "--candidates",
+            str(args.candidates),
             "--num_images",
             str(args.eval_images),
             "--out",
@@ -81,9 +108,12 @@ def main(argv=None):
             *sampling,
         ]
     )
-    t3 = time.time()
-    print(f"\ntimes: VAE {t1 - t0:.0f}s, DALLE {t2 - t1:.0f}s, generation + evaluation {t3 - t2:.0f}s")
-    print(f"runs:   {os.path.join(args.out, 'runs')}/ (vae/, dalle/: metrics.jsonl, samples/, train.log)")
+    t4 = time.time()
+    print(
+        f"\ntimes: VAE {t1 - t0:.0f}s, DALLE {t2 - t1:.0f}s, CLIP {t3 - t2:.0f}s, "
+        f"generation + evaluation {t4 - t3:.0f}s, total {t4 - t0:.0f}s"
+    )
+    print(f"runs:   {os.path.join(args.out, 'runs')}/ (vae/, dalle/, clip/: metrics.jsonl, samples/, train.log)")
     print("images: " + ", ".join(f + "/" for f in folders))
     print(
         f"eval:   {os.path.join(args.out, 'eval')}/ "

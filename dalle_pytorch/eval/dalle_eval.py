@@ -12,7 +12,8 @@ from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
 from ..models.sampling import generate_image_tokens
-from ..training.export import load_dalle
+from ..models.clip import rank_by_clip
+from ..training.export import check_clip_fits, load_clip, load_dalle
 from .evaluate import VALIDATION_SEED, summarize
 from .parse import parse_image, score
 
@@ -34,28 +35,81 @@ def bits_per_image_token(dalle, vae, tokenizer, n: int = 256, batch_size: int = 
 
 
 @torch.no_grad()
-def evaluate_dalle(dalle_path: str, num_images: int, out: str, seed: int = 0, batch_size: int = 50, **sampling) -> dict:
+def evaluate_dalle(
+    dalle_path: str,
+    num_images: int,
+    out: str,
+    seed: int = 0,
+    batch_size: int = 50,
+    clip_path: str = "",
+    candidates: int = 16,
+    keep: int = 1,
+    **sampling,
+) -> dict:
+    """Generated images parsed against their captions, `num_images` captions per split. With `clip_path`,
+    each caption gets `candidates` samples: the plain rate is over all of them, the reranked one over the
+    `keep` that CLIP scores highest (DALL-E's reranking)."""
     dalle, vae, tokenizer = load_dalle(dalle_path)
+    clip = None
+    if clip_path:
+        clip, clip_tokenizer = load_clip(clip_path)
+        check_clip_fits(clip, clip_tokenizer, dalle_path, clip_path)
+        if not 1 <= keep <= candidates:
+            raise ValueError(f"--keep must be between 1 and --candidates {candidates} (got {keep})")
+    per_caption = candidates if clip else 1
     result = {"bits_per_image_token": bits_per_image_token(dalle, vae, tokenizer), "sampling": sampling}
+    if clip:
+        result["reranking"] = {"candidates": candidates, "keep": keep}
+        result["clip_retrieval"] = clip_retrieval(clip, clip_tokenizer, vae.image_size)
     g = torch.Generator().manual_seed(seed)
+    captions_per_batch = max(batch_size // per_caption, 1)
     for split, data_split in (("seen", "train"), ("heldout", "heldout")):
         data = ShapesDataset(num_images, vae.image_size, seed=VALIDATION_SEED + 1, split=data_split)
         captions = [data[i][1] for i in range(num_images)]
-        scores, grid = [], []
-        for start in range(0, num_images, batch_size):
-            idx = list(range(start, min(start + batch_size, num_images)))
+        plain, reranked, grid = [], [], []
+        for start in range(0, num_images, captions_per_batch):
+            idx = list(range(start, min(start + captions_per_batch, num_images)))
             text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
-            images = vae.decode(generate_image_tokens(dalle, text, generator=g, **sampling))
-            scores += [score(data.scene(i), parse_image(img)) for i, img in zip(idx, images)]
-            grid.append(images)
-        result[split] = summarize(scores)
+            tokens = generate_image_tokens(dalle, text.repeat_interleave(per_caption, 0), generator=g, **sampling)
+            images = vae.decode(tokens).view(len(idx), per_caption, *vae_shape(vae))
+            for i, group in zip(idx, images):
+                scores = [score(data.scene(i), parse_image(img)) for img in group]
+                plain += scores
+                if clip:
+                    best = rank_by_clip(clip, clip_tokenizer, captions[i], group).argsort(descending=True)[:keep]
+                    reranked += [scores[j] for j in best.tolist()]
+                    group = group[best]
+                grid.append(group[:1])
+        result[split] = summarize(plain)
+        if clip:
+            result[f"{split}_reranked"] = summarize(reranked)
         grid = torch.cat(grid)[:64]
         save_image(grid, os.path.join(out, f"generated_{split}.png"), nrow=8, padding=1)
+        shown = reranked[::keep] if clip else plain
         with open(os.path.join(out, f"generated_{split}.txt"), "w") as f:
             f.write(
                 "\n".join(
-                    f"{i:3d} {'ok ' if s['full'] else 'BAD'} {c}" for i, (c, s) in enumerate(zip(captions[:64], scores))
+                    f"{i:3d} {'ok ' if s['full'] else 'BAD'} {c}" for i, (c, s) in enumerate(zip(captions[:64], shown))
                 )
                 + "\n"
             )
     return result
+
+
+def vae_shape(vae) -> tuple[int, int, int]:
+    return (vae.channels, vae.image_size, vae.image_size)
+
+
+@torch.no_grad()
+def clip_retrieval(clip, tokenizer, image_size: int, n: int = 256, group: int = 32) -> dict:
+    """CLIP's text -> image retrieval on held-out validation pairs (colour-shape combinations it never saw):
+    the fraction of captions whose own image scores highest among `group` pairs, over n pairs."""
+    data = ShapesDataset(n, image_size, seed=VALIDATION_SEED + 2, split="heldout")
+    hits = 0
+    for start in range(0, n, group):
+        idx = range(start, min(start + group, n))
+        text, _ = tokenizer.tokenize([data[i][1] for i in idx], clip.cfg.text_seq_len)
+        images = torch.stack([data[i][0] for i in idx])
+        sims = clip.embed_text(text) @ clip.embed_image(images).T
+        hits += (sims.argmax(-1) == torch.arange(len(idx))).sum().item()
+    return {"top1": hits / n, "group": group, "n": n}

@@ -1,11 +1,13 @@
 """Honest image-quality numbers on the built-in dataset, read back from pixels by `parse.py`.
 
-    python -m dalle_pytorch.eval.evaluate --vae_path vae.pt [--dalle_path dalle.pt] [--out DIR]
+    python -m dalle_pytorch.eval --vae_path vae.pt [--dalle_path dalle.pt [--clip_path clip.pt]] [--out DIR]
 
 VAE: PSNR and the parser's accuracy on reconstructions (the ceiling for any generator), codebook usage.
 DALLE: bits per image token on validation data, and the fraction of generated images whose parsed objects
 match the caption, fully and per attribute, on seen captions and on held-out colour-shape combinations,
-with bootstrap 95% confidence intervals, plus a grid of generated images beside their captions.
+with bootstrap 95% confidence intervals, plus a grid of generated images beside their captions. With a
+CLIP: the same rates after CLIP keeps the best of several samples per caption, and CLIP's own retrieval
+accuracy on held-out validation pairs.
 """
 
 from __future__ import annotations
@@ -78,14 +80,21 @@ def table(results: dict) -> str:
     if "dalle" in results:
         d = results["dalle"]
         lines.append(f"DALLE bits per image token (validation) {d['bits_per_image_token']:.3f}")
-        lines.append(f"{'split':8} {'n':>5} " + " ".join(f"{k:>15}" for k in ("full", *ATTRIBUTES)))
-        for split in ("seen", "heldout"):
+        if "clip_retrieval" in d:
+            r, k = d["clip_retrieval"], d["reranking"]
+            lines.append(
+                f"CLIP  text -> image retrieval on held-out pairs {r['top1']:.1%} (top 1 of {r['group']}); "
+                f"reranked rows keep the best {k['keep']} of {k['candidates']} samples per caption"
+            )
+        lines.append(f"{'split':16} {'n':>5} " + " ".join(f"{k:>15}" for k in ("full", *ATTRIBUTES)))
+        splits = [s for s in ("seen", "heldout", "seen_reranked", "heldout_reranked") if s in d]
+        for split in splits:
             s = d[split]
             cells = " ".join(
                 f"{s[k]['mean']:>6.1%} [{s[k]['ci95'][0]:.0%},{s[k]['ci95'][1]:.0%}]".rjust(15)
                 for k in ("full", *ATTRIBUTES)
             )
-            lines.append(f"{split:8} {s['n']:>5} {cells}")
+            lines.append(f"{split:16} {s['n']:>5} {cells}")
     return "\n".join(lines)
 
 
@@ -99,6 +108,9 @@ def main(argv=None):
     p.add_argument("--cond_scale", type=float, default=1.0, help="classifier-free guidance scale")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--clip_path", default="", help="a CLIP export: also report the rates after reranking")
+    p.add_argument("--candidates", type=int, default=16, help="with --clip_path: samples per caption")
+    p.add_argument("--keep", type=int, default=1, help="with --clip_path: the best samples kept per caption")
     p.add_argument("--out", default="eval", help="folder for results.json, results.txt and the grids")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -114,6 +126,9 @@ def main(argv=None):
             args.num_images,
             args.out,
             args.seed,
+            clip_path=args.clip_path,
+            candidates=args.candidates,
+            keep=args.keep,
             cond_scale=args.cond_scale,
             temperature=args.temperature,
             top_k=args.top_k,
