@@ -48,8 +48,10 @@ class CLIPConfig:
 
 
 def _encoder(dim: int, depth: int, heads: int) -> nn.TransformerEncoder:
+    # no biases: a key bias cannot change a softmax, so its gradient is zero up to rounding, and Adam would
+    # turn that rounding into steps that differ from rank layout to rank layout
     layer = nn.TransformerEncoderLayer(
-        dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, bias=False
     )
     return nn.TransformerEncoder(layer, depth, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
 
@@ -67,7 +69,8 @@ class CLIP(nn.Module):
         self.image_pos = nn.Parameter(torch.randn(grid * grid, cfg.dim_image) * 0.02)
         self.image_encoder = _encoder(cfg.dim_image, cfg.image_depth, cfg.heads)
         self.to_image_latent = nn.Linear(cfg.dim_image, cfg.dim_latent, bias=False)
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
+        # CLIP's initial temperature; shape (1,), not a 0-dim tensor, which DeepSpeed cannot broadcast over Gloo
+        self.logit_scale = nn.Parameter(torch.tensor([math.log(1 / 0.07)]))
 
     def embed_text(self, text: torch.Tensor) -> torch.Tensor:
         """(b, text_seq_len) ids, 0 = padding -> (b, dim_latent), unit norm: the mean over the caption's tokens."""
@@ -92,7 +95,7 @@ class CLIP(nn.Module):
         return F.normalize(self.to_image_latent(h.mean(1)), dim=-1)
 
     def scale(self) -> torch.Tensor:
-        return self.logit_scale.clamp(max=math.log(100.0)).exp()  # CLIP caps the logit scale at 100
+        return self.logit_scale.clamp(max=math.log(100.0)).exp().squeeze(0)  # CLIP caps the logit scale at 100
 
     @torch.no_grad()
     def score(self, text: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
