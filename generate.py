@@ -88,8 +88,8 @@ def _generate(args):
     from tqdm import tqdm
 
     from dalle_pytorch.data.folders import image_transform
-    from dalle_pytorch.models.sampling import generate_image_tokens
     from dalle_pytorch.models.clip import rank_by_clip
+    from dalle_pytorch.models.sampling import generate_image_tokens
     from dalle_pytorch.training.export import check_clip_fits, load_clip, load_dalle
 
     prompts = read_prompts(args)

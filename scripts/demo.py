@@ -14,8 +14,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import generate  # noqa: E402
-import train_dalle  # noqa: E402
 import train_clip  # noqa: E402
+import train_dalle  # noqa: E402
 import train_vae  # noqa: E402
 from dalle_pytorch.eval import evaluate  # noqa: E402
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
-from ..models.sampling import generate_image_tokens
 from ..models.clip import rank_by_clip
+from ..models.sampling import generate_image_tokens
 from ..training.export import check_clip_fits, load_clip, load_dalle
 from .evaluate import VALIDATION_SEED, summarize
 from .parse import parse_image, score
