@@ -43,6 +43,10 @@ class TrainConfig:
     clip_grad_norm: float = flag(1.0, "clip the global gradient norm to this; 0 disables clipping")
     precision: str = flag("fp32", "numeric precision of the trained model", choices=PRECISIONS)
     compile: bool = flag(False, "torch.compile the trained model (the first steps are slow while it compiles)")
+    checkpoint_activations: bool = flag(
+        False,
+        "recompute each transformer block in backward: activations of one block instead of all, ~1/3 more compute",
+    )
     seed: int = flag(42, "random seed (data order, initialization, sampling)")
     # distribution
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)

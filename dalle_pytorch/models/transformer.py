@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 ATTN_TYPES = ("full", "axial_row", "axial_col", "conv_like")
 
@@ -240,14 +241,20 @@ class Transformer(nn.Module):
             )
         angles = rotary_angles(cfg.text_seq_len, cfg.image_fmap_size, cfg.dim_head) if cfg.rotary_emb else None
         self.register_buffer("angles", angles, persistent=False)
+        # recompute each block in backward instead of keeping its activations (set by --checkpoint_activations)
+        self.checkpoint_activations = False
 
     def _mask(self, layer: Block) -> torch.Tensor:
         return getattr(self, f"mask_{layer.attn_type}")
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one."""
+        recompute = self.checkpoint_activations and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i])
+            if recompute:  # only the block's input is kept; non-reentrant, so it nests in DDP, FSDP, ZeRO-3, compile
+                x = checkpoint(layer, x, self._mask(layer), self.angles, use_reentrant=False)
+            else:
+                x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i])
         return x
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -39,6 +39,8 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
             "stream them: use a caption folder (or export the shards to one) or a fixed number of workers"
         )
     total = total_steps(cfg, task.dataset, backend.world_size)
+    if cfg.checkpoint_activations:
+        enable_activation_checkpointing(task)
     if cfg.compile:
         task.model.compile()  # in place: same module, same state_dict keys, under any backend's wrapper
     model, _, scheduler = backend.prepare(
@@ -123,6 +125,15 @@ def run_steps(parts: Parts, pos: Position) -> Position:
     if bar is not None:
         bar.close()
     return pos
+
+
+def enable_activation_checkpointing(task: Task) -> None:
+    """--checkpoint_activations: every module of the model that can recompute its blocks in backward does."""
+    found = [m for m in task.model.modules() if hasattr(m, "checkpoint_activations")]
+    if not found:
+        raise ValueError(f"--checkpoint_activations: the {task.name} model has no transformer blocks to recompute")
+    for m in found:
+        m.checkpoint_activations = True
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
