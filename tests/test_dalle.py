@@ -244,3 +244,10 @@ def test_truncation_is_counted_or_refused():
     assert cut == 1 and ids.shape == (2, 10)
     with pytest.raises(ValueError, match="text_seq_len"):
         tok.tokenize("x" * 50, 10, truncate=False)
+
+
+def test_attn_types_accept_the_comma_separated_form():
+    assert DALLEConfig(attn_types=["full,axial_row"]).attn_types == ["full", "axial_row"]
+    assert DALLEConfig(attn_types=["full", "conv_like"]).attn_types == ["full", "conv_like"]
+    with pytest.raises(ValueError, match="unknown type 'sparse_ish'"):
+        DALLEConfig(attn_types=["full,sparse_ish"])

@@ -43,7 +43,10 @@ class DALLEConfig:
     image_fmap_size: int = 8
 
     def __post_init__(self):
-        self.attn_types = list(self.attn_types)
+        # `--attn_types full axial_row` or the predecessor's `--attn_types full,axial_row`
+        self.attn_types = [t for item in self.attn_types for t in str(item).split(",") if t]
+        if not self.attn_types:
+            raise ValueError("--attn_types needs at least one type")
         for t in self.attn_types:
             if t not in ATTN_TYPES:
                 raise ValueError(f"--attn_types: unknown type {t!r}; use any of {', '.join(ATTN_TYPES)}")
