@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch.compile the decode step (one graph for every position; pays off over many images)",
     )
+    p.add_argument(
+        "--cuda_graphs", action="store_true", help="with --compile on a GPU: replay the decode step as a CUDA graph"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     return p
@@ -93,6 +96,8 @@ def _generate(args):
     from dalle_pytorch.training.export import check_clip_fits, load_clip, load_dalle
 
     prompts = read_prompts(args)
+    if args.cuda_graphs and not args.compile:
+        raise ValueError("--cuda_graphs replays the compiled decode step: add --compile")
     if args.num_images < 1 or args.batch_size < 1:
         raise ValueError("--num_images and --batch_size must be at least 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -138,7 +143,7 @@ def _generate(args):
                 cond_scale=args.cond_scale,
                 generator=g,
                 use_cache=not args.no_cache,
-                compile=args.compile,
+                compile="reduce-overhead" if args.compile and args.cuda_graphs else args.compile,
                 prime=None if prime is None else prime.expand(b, -1),
                 on_token=lambda b=b: bar.update(b),
             )

@@ -52,12 +52,13 @@ def generate_image_tokens(
     prime: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
-    compile: bool = False,
+    compile: bool | str = False,
     on_token=None,
 ) -> torch.Tensor:
     """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. use_cache=False recomputes the
     whole prefix every token (the reference the cache is checked against). compile: each step (decode and
-    pick) through torch.compile, one graph for every position, compiled once per model, batch and settings."""
+    pick) through torch.compile, one graph for every position, compiled once per model, batch and settings;
+    compile="reduce-overhead" replays that graph as a CUDA graph (on a GPU: no per-kernel launch cost)."""
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True (drop --no_cache)")
     cfg = model.cfg
@@ -72,7 +73,7 @@ def generate_image_tokens(
     if use_cache:
         cache = model.new_cache(rows.shape[0], text.device, next(model.parameters()).dtype)
         logits = model.prefill(rows, cache, image if k0 else None)
-        step = _compiled_step(model, settings) if compile else _step(model, settings)
+        step = _compiled_step(model, settings, compile) if compile else _step(model, settings)
     else:
         logits = _next_logits_uncached(model, rows, image)
     vocab = logits.shape[-1]
@@ -112,12 +113,17 @@ def _step(model, settings: tuple):
     return step
 
 
-def _compiled_step(model, settings: tuple):
-    """_step through torch.compile, kept on the model so later batches reuse it. Inductor's freezing folds
-    the weights in as constants and prepacks them for the CPU's matmul library."""
+def _compiled_step(model, settings: tuple, mode: bool | str = True):
+    """_step through torch.compile, kept on the model so later batches reuse it. By default inductor's
+    freezing folds the weights in as constants and prepacks them for the CPU's matmul library; with a mode
+    ("reduce-overhead": CUDA graphs) torch.compile's own settings for that mode apply."""
     compiled = model.__dict__.setdefault("_compiled_steps", {})
-    if settings not in compiled:
-        compiled[settings] = torch.compile(
-            _step(model, settings), fullgraph=True, dynamic=False, options={"freezing": True}
-        )
-    return compiled[settings]
+    key = (*settings, mode)
+    if key not in compiled:
+        if isinstance(mode, str):
+            compiled[key] = torch.compile(_step(model, settings), fullgraph=True, dynamic=False, mode=mode)
+        else:
+            compiled[key] = torch.compile(
+                _step(model, settings), fullgraph=True, dynamic=False, options={"freezing": True}
+            )
+    return compiled[key]
