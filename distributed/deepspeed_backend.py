@@ -11,6 +11,7 @@ import os
 
 import deepspeed
 import torch
+import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 from . import deepspeed_portable as portable
@@ -46,8 +47,13 @@ class EngineStepper:
 
     def step(self) -> StepResult:
         skipped_before = self.engine.skipped_steps
+        # ZeRO stage 0 in fp32 steps the module's own (already averaged) gradients and records no norm
+        own = self.engine.zero_optimization_stage() == 0 and not self.engine.fp16_enabled()
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None] if own else []
+        fallback = torch.nn.utils.get_total_norm(grads) if grads else None
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
+        norm = norm if norm is not None else fallback
         norm = torch.tensor(float("nan") if norm is None else float(norm))
         return StepResult(norm, torch.tensor(self.engine.skipped_steps > skipped_before), self.loss_scale())
 
@@ -138,10 +144,11 @@ class DeepSpeedBackend(Backend):
 
 
 class DeepSpeedCheckpointer:
-    """Two forms side by side. DeepSpeed's own (flat per-rank partitions) resumes exactly and fast at the same
-    world size and ZeRO stage. The portable form (deepspeed_portable.py) is the layout the torch and Horovod
-    backends write (full tensors by parameter name through DCP), which reshards to any backend, world size
-    or stage."""
+    """Two forms side by side, both written shard-wise by every rank. DeepSpeed's own (flat per-rank
+    partitions) resumes exactly and fast at the same world size and ZeRO stage. The portable form
+    (deepspeed_portable.py) is the layout the torch and Horovod backends write (tensors of full shape by
+    parameter name through DCP, each rank writing the fragments it steps), which reshards to any backend,
+    world size or stage."""
 
     def __init__(self, backend: DeepSpeedBackend, group_names: list[list[str]]):
         self.backend, self.group_names = backend, group_names
@@ -155,14 +162,10 @@ class DeepSpeedCheckpointer:
         b.engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
         with_optimizer = portable.has_state(b.engine.optimizer)
         module = b.unwrap(b.engine)
-        model_sd, optim_sd = portable.gather(
-            module, b.engine.optimizer, self.group_names, with_optimizer, keep=b.is_main
-        )
+        shards = portable.sharded_state_dict(module, b.engine.optimizer, self.group_names, with_optimizer, b.rank)
+        # collective over the default process group: each rank writes the fragments it holds to its own file
+        dcp.save(shards, checkpoint_id=os.path.join(directory, "dcp"))
         if b.is_main:
-            import torch.distributed.checkpoint as dcp
-
-            to_save = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
-            dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"), no_dist=True)
             save_shared_file(
                 directory,
                 {

@@ -2,24 +2,31 @@
 
 DeepSpeed's own checkpoint holds flat per-rank partitions and loads only at the same world size and ZeRO
 stage. Beside it the DeepSpeed backend writes the layout of torch's `get_model_state_dict` /
-`get_optimizer_state_dict` (full fp32 weights, Adam moments and step per parameter name, param groups
-listing names), which torch.distributed.checkpoint reshards on load. The tensors are gathered from and
-scattered to the partitions with DeepSpeed's public tensor-fragment API (`safe_get_full_fp32_param`, ...).
-So a DeepSpeed checkpoint resumes under DDP, FSDP, Horovod or one process at any world size, at another
-ZeRO stage, and their checkpoints resume under DeepSpeed.
+`get_optimizer_state_dict` (fp32 weights, Adam moments and step per parameter name in full shapes, param
+groups listing names), which torch.distributed.checkpoint (DCP) reshards on load. Every rank writes only the
+fragments it steps: a ZeRO partition of a parameter is a contiguous range of the flat tensor, written as the
+rectangular blocks that make up that range (a ShardedTensor), so no host ever holds more than its own share.
+Loading reads a few full parameters at a time and scatters them into the partitions with DeepSpeed's public
+tensor-fragment API (`safe_set_full_fp32_param`, ...). So a DeepSpeed checkpoint resumes under DDP, FSDP,
+Horovod or one process at any world size, at another ZeRO stage, and their checkpoints resume under DeepSpeed.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.distributed.checkpoint as dcp
+from deepspeed import comm as ds_comm
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step
 
@@ -82,35 +89,105 @@ def _link_moments(engine_optimizer) -> None:
         engine_optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def gather(
-    module, engine_optimizer, names: list[list[str]], with_optimizer: bool, keep: bool = True
-) -> tuple[dict, dict | None]:
-    """Collective: (model state dict, optimizer state dict) with full fp32 CPU tensors. Ranks with
-    keep=False take part in the gathers but drop the results, so only the writer holds a full copy."""
+def flat_blocks(start: int, stop: int, shape) -> list[tuple[int, list[int], list[int]]]:
+    """The elements [start, stop) of a row-major tensor of `shape` as rectangular blocks, in order: (flat
+    index of the block's first element, its offsets, its sizes). Each block is a contiguous run of the flat
+    range, so it is a view of a flat fragment; there are at most 2 * len(shape) - 1 of them."""
+    if start >= stop:
+        return []
+    if len(shape) == 0:
+        return [(start, [], [])]
+    inner = math.prod(shape[1:])
+    (r0, a), (r1, b) = divmod(start, inner), divmod(stop, inner)
+
+    def within_row(row: int, lo: int, hi: int) -> list:
+        return [(row * inner + f, [row, *o], [1, *s]) for f, o, s in flat_blocks(lo, hi, shape[1:])]
+
+    if r0 == r1:
+        return within_row(r0, a, b)
+    out = []
+    if a:  # the end of the first, partial row
+        out += within_row(r0, a, inner)
+        r0 += 1
+    if r1 > r0:  # whole rows
+        out.append((r0 * inner, [r0, *[0] * (len(shape) - 1)], [r1 - r0, *shape[1:]]))
+    if b:  # the start of the last, partial row
+        out += within_row(r1, 0, b)
+    return out
+
+
+def _sharded(shape, start: int, fragment: torch.Tensor | None, rank: int) -> ShardedTensor:
+    """Collective: the tensor of full `shape` of which this rank holds the flat elements [start, start +
+    fragment.numel()) (none where fragment is None), as a ShardedTensor of rectangular blocks, which DCP
+    writes shard by shard and reads back into any other sharding or a plain tensor."""
+    shards = []
+    if fragment is not None:
+        placement = f"rank:{rank}/{fragment.device}"
+        for first, offsets, sizes in flat_blocks(start, start + fragment.numel(), shape):
+            block = fragment.narrow(0, first - start, math.prod(sizes)).view(sizes)
+            shards.append(Shard(block, ShardMetadata(offsets, sizes, placement)))
+    return init_from_local_shards(shards, *shape)
+
+
+def _local_fragment(p) -> tuple[int, torch.Tensor, Callable[[str], torch.Tensor]] | None:
+    """(first flat index, fp32 weights, Adam moment by name) of the part of a partitioned parameter that
+    this rank steps, as flat views of DeepSpeed's own partitions; None where this rank steps none of it."""
+    if hasattr(p, "ds_id"):
+        # ZeRO-3 (public local API): rank r of the parameter's partition group holds the elements
+        # [r * n, (r + 1) * n) of the flat parameter, the last partition padded beyond ds_numel
+        # (deepspeed/runtime/zero/partition_parameters.py, _partition_param)
+        local = safe_get_local_fp32_param(p).detach().view(-1)
+        start = local.numel() * ds_comm.get_rank(group=getattr(p, "ds_process_group", None))
+        numel = min(local.numel(), p.ds_numel - start)
+        if numel <= 0:
+            return None
+
+        def moment(key):
+            return safe_get_local_optimizer_state(p, key).detach().view(-1).narrow(0, 0, numel)
+
+        return start, local.narrow(0, 0, numel), moment
+    # ZeRO-1/2 and the bf16 optimizer: DeepSpeed has no public local API for these (deepspeed.utils'
+    # safe_get_local_* assert ZeRO-3), so this reads the fragment mapping its own safe_get_full_fp32_param
+    # and universal checkpoint read (deepspeed/utils/tensor_fragment.py, checkpoint/universal_checkpoint.py):
+    # lp_fragment_address locates the fragment in the flat parameter, get_hp_fragment() gives its fp32
+    # weights or an optimizer state. It is None on ranks whose partition holds none of the parameter.
+    mapping = p._hp_mapping
+    if mapping is None:
+        return None
+    address = mapping.lp_fragment_address
+    return address.start, mapping.get_hp_fragment().detach(), lambda key: mapping.get_hp_fragment(key).detach()
+
+
+def sharded_state_dict(module, engine_optimizer, names: list[list[str]], with_optimizer: bool, rank: int) -> dict:
+    """Collective: the portable layout ({"model": ..., "optimizer": ...} by parameter name, full shapes)
+    holding only what this rank already has, for a collective dcp.save in which every rank writes its own
+    share. A partitioned parameter, its fp32 weights and moments, is a ShardedTensor of the fragments each
+    rank steps (nothing is gathered or copied). Without ZeRO partitioning (stage 0) and for the buffers,
+    step and param groups every rank offers the same plain tensors, and DCP writes each once, spreading
+    them over the ranks (torch.distributed.checkpoint._dedup_save_plans)."""
     base = base_optimizer(engine_optimizer)
     if with_optimizer:
         _link_moments(engine_optimizer)
     params = dict(module.named_parameters())
     masters = _masters(engine_optimizer)
-    model_sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in params}  # buffers
+    model_sd = {k: v.detach() for k, v in module.state_dict().items() if k not in params}  # buffers
+    keys = MOMENTS if with_optimizer else ()
     state = {}
     for name, p in params.items():
         if _partitioned(p):
-            weight = safe_get_full_fp32_param(p)
-            moments = {k: safe_get_full_optimizer_state(p, k) for k in MOMENTS} if with_optimizer else {}
+            shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+            start, weight, moment = _local_fragment(p) or (0, None, lambda key: None)
+            model_sd[name] = _sharded(shape, start, weight, rank)
+            moments = {k: _sharded(shape, start, moment(k), rank) for k in keys}
         else:  # the fp32 copy the optimizer steps, or the parameter itself in fp32 without ZeRO
             src, offset = masters.get(id(p), (p, 0))
-            weight = _view(src, offset, p).float()
-            moments = {k: _view(base.state[src][k], offset, p) for k in MOMENTS} if with_optimizer else {}
-        if not keep:
-            continue
-        model_sd[name] = weight.cpu().clone()
+            model_sd[name] = _view(src, offset, p).float()
+            moments = {k: _view(base.state[src][k], offset, p) for k in keys}
         if with_optimizer:
-            moments = {k: v.cpu().clone() for k, v in moments.items()}
-            state[name] = {"step": _adam_step(base).detach().cpu().clone(), **moments}
+            state[name] = {"step": torch.as_tensor(_adam_step(base)).detach(), **moments}
     if not with_optimizer:
-        return model_sd, None
-    return model_sd, {"state": state, "param_groups": _named_groups(base, names)}
+        return {"model": model_sd}
+    return {"model": model_sd, "optimizer": {"state": state, "param_groups": _named_groups(base, names)}}
 
 
 def _named_groups(base, names: list[list[str]]) -> list[dict]:
