@@ -1,0 +1,158 @@
+"""Activation memory at the DALL-E sequence (text 256 + 32x32 image tokens), with and without
+--checkpoint_activations, and the cost of each attention pattern, in one run.
+
+    .venv/bin/python bench/memory.py                 # depth 8, dim 512, batch 1, fp32, 2 threads
+    .venv/bin/python bench/memory.py --depth 2 --dim 128 --steps 1     # a quick look
+
+Per mode, a fresh process trains a few steps and reports: the bytes autograd keeps for backward at the end
+of the forward (the activations; exact), the process's peak resident memory (weights, gradients, Adam,
+activations, allocator slack), and the step time (the median of the timed steps). Then one attention layer's
+forward + backward for each pattern against full causal attention, with the fraction of the score matrix
+each pattern keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
+from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask  # noqa: E402
+
+
+def config(args) -> DALLEConfig:
+    return DALLEConfig(
+        dim=args.dim,
+        depth=args.depth,
+        heads=args.heads,
+        dim_head=args.dim // args.heads,
+        text_seq_len=args.text_seq_len,
+        num_text_tokens=10000,
+        num_image_tokens=8192,
+        image_fmap_size=args.fmap,
+    )
+
+
+def one_mode(args) -> dict:
+    """In this process: train `args.steps` steps (after one warm-up) with or without recomputation."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = config(args)
+    model = DALLE(cfg).train()
+    model.transformer.checkpoint_activations = args.checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    text = torch.randint(1, cfg.num_text_tokens, (args.batch, cfg.text_seq_len))
+    image = torch.randint(0, cfg.num_image_tokens, (args.batch, cfg.image_seq_len))
+    saved: dict[int, int] = {}
+
+    def pack(t):  # every tensor autograd keeps for backward, counted once per storage
+        if t.device.type == "cpu":
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    times = []
+    for step in range(args.steps + 1):
+        t = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, _ = model(text, image)
+        activation_bytes = sum(saved.values())
+        saved.clear()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step:
+            times.append(time.perf_counter() - t)
+    return {
+        "activations_mb": activation_bytes / 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_s": statistics.median(times),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
+
+
+def attention_patterns(args) -> list[tuple[str, float, float]]:
+    """(pattern, fraction of the n x n scores kept, seconds for forward + backward of one attention layer)."""
+    torch.set_num_threads(args.threads)
+    cfg = config(args)
+    n, d = cfg.seq_len, cfg.dim // cfg.heads
+    q, k, v = (torch.randn(args.batch, cfg.heads, n, d, requires_grad=True) for _ in range(3))
+
+    def timed(fn, repeats=3):
+        fn().sum().backward()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn().sum().backward()
+        return (time.perf_counter() - t) / repeats
+
+    rows = [
+        ("full (causal, fused)", 0.5 + 0.5 / n, timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+    ]
+    for kind in ATTN_TYPES[1:]:
+        mask = attention_mask(kind, cfg.text_seq_len, cfg.image_fmap_size)
+        kept = mask.float().mean().item()
+        rows.append((kind, kept, timed(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m))))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--text_seq_len", type=int, default=256)
+    p.add_argument("--fmap", type=int, default=32, help="image token grid side (32x32 = 1024 tokens)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one mode, in a subprocess
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_mode(args)))
+        return
+    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    results = {}
+    for name, extra in (("kept", []), ("recomputed", ["--checkpoint"])):
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *base, "--one", *extra], capture_output=True, text=True
+        )
+        if out.returncode:
+            raise SystemExit(out.stderr)
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = config(args)
+    kept, rec = results["kept"], results["recomputed"]
+    print(
+        f"DALLE dim {args.dim}, depth {args.depth}, heads {args.heads}, sequence {cfg.seq_len} "
+        f"(text {args.text_seq_len} + image {cfg.image_seq_len}), batch {args.batch}, fp32, "
+        f"{kept['params_m']:.1f}M parameters, {args.threads} threads"
+    )
+    for name, r in results.items():
+        print(
+            f"  activations {name:10}: {r['activations_mb']:8.1f} MiB kept for backward, peak RSS "
+            f"{r['peak_rss_mb']:7.0f} MiB, step {r['step_s']:.2f} s"
+        )
+    print(
+        f"  --checkpoint_activations: activations / {kept['activations_mb'] / rec['activations_mb']:.1f}, "
+        f"peak RSS / {kept['peak_rss_mb'] / rec['peak_rss_mb']:.2f}, step time x {rec['step_s'] / kept['step_s']:.2f}"
+    )
+    rows = attention_patterns(args)
+    full = rows[0][2]
+    print(f"one attention layer, forward + backward, batch {args.batch}, {args.heads} heads, sequence {cfg.seq_len}:")
+    for name, kept_frac, t in rows:
+        print(f"  {name:22} keeps {kept_frac:6.1%} of the scores: {t * 1e3:7.1f} ms, {full / t:5.2f}x full's speed")
+
+
+if __name__ == "__main__":
+    main()
