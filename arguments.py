@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dalle_pytorch.config import flag
-from distributed import BACKENDS, DeepSpeedOptions, HorovodOptions, StepOptions
+from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -140,7 +140,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
 def build_parser(description: str, *configs: tuple[type, str], extra=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
-    for cls, title in (*configs, (DeepSpeedOptions, "DeepSpeed"), (HorovodOptions, "Horovod")):
+    for cls, title in (*configs, *((cls, f"{name} backend") for name, cls in BACKEND_OPTIONS.items())):
         _add_fields(parser, cls, title)
     if extra:
         extra(parser)
@@ -153,5 +153,5 @@ def take(ns: argparse.Namespace, cls):
 
 
 def take_backend_options(ns: argparse.Namespace) -> dict:
-    """Each backend's own options from the parsed flags: {"deepspeed": DeepSpeedOptions, "horovod": HorovodOptions}."""
-    return {"deepspeed": take(ns, DeepSpeedOptions), "horovod": take(ns, HorovodOptions)}
+    """Each backend's own options from the parsed flags, by backend name (make_backend's keywords)."""
+    return {name: take(ns, cls) for name, cls in BACKEND_OPTIONS.items()}

@@ -9,6 +9,9 @@ from .deepspeed_config import DeepSpeedOptions
 from .horovod_config import HorovodOptions
 from .topology import BACKENDS, Topology, resolve_backend, set_threads, topology_from_env
 
+# each backend's own flags: the scripts add them to their parser and pass them back by backend name
+BACKEND_OPTIONS = {"deepspeed": DeepSpeedOptions, "horovod": HorovodOptions}
+
 
 def make_backend(
     name: str,
@@ -77,6 +80,7 @@ def read_weights(ckpt_dir: str) -> dict:
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_OPTIONS",
     "Backend",
     "DeepSpeedOptions",
     "HorovodOptions",
