@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test test-all lint format clean
+.PHONY: install demo test test-launchers test-all lint format clean
 
 install: $(VENV)/.installed
 
@@ -24,7 +24,11 @@ format: install
 
 # The default suite: unit tests and the quick multi-rank and launcher tests (under 15 minutes on 2 cores).
 test: install lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not launchers"
+
+# The slowest launcher checks (resume across launchers and ZeRO stages, Horovod elastic), about 6 minutes on 2 cores.
+test-launchers: install
+	$(PY) -m pytest -q -m launchers
 
 # Everything, including the slow end-to-end checks.
 test-all: install lint

@@ -15,3 +15,8 @@ TINY_DALLE_MODEL = [
     "--tokenizer",
     "byte",
 ]
+
+# In-process runs: the trainers' --threads 0 gives each process all its share of the cores, undoing conftest's
+# torch.set_num_threads(1); two OpenMP threads on 2 busy cores wait at spinning barriers, measured 10-100x slower
+# (a 60-step VAE run: 0.5 s alone, 56 s beside another job). Launched ranks get 1 thread each either way.
+ONE_THREAD = ["--threads", "1"]

@@ -148,6 +148,7 @@ def test_torchrun_restarts_after_a_killed_rank(vae_path, tmp_path):
     assert "resumed from" in log and "done at step 300" in log
 
 
+@pytest.mark.launchers
 def test_horovod_elastic_loses_a_worker_then_takes_a_new_one(vae_path, tmp_path):
     """horovodrun --min-np 1 --max-np 2 on two "hosts" (localhost and 127.0.0.1, both this machine): rank 0
     is killed, the other worker rolls back to its last commit, becomes rank 0 (and the run's writer) and

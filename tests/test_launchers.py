@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
+from helpers import ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import generate
 import train_dalle
@@ -28,14 +28,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 _ports = itertools.count(29700 + os.getpid() % 200)
 # Tolerance: fp32 sums run in another order on 2 ranks, and Adam divides by sqrt(v), which turns a
-# rounding difference in a near-zero gradient into a visible one in that weight. So: every weight within
-# 1e-3 (a third of one step at the learning rate used, 3e-3) and at most 0.5% of them beyond 1e-5.
+# rounding difference in a near-zero gradient into a visible one in that weight. So, in every tensor:
+# every weight within 1e-3 (a third of one step at the learning rate used, 3e-3) and at most 0.5% of its
+# weights (at least one) beyond 1e-5. Per tensor, so that one wrong tensor cannot hide among the others.
 # Adam is blind to a uniform gradient scale (a sum instead of a mean), so the gradient norm that each
 # step logs, taken after synchronization and before clipping, must match too (relative 1e-4).
 CLOSE, FAR, NORM_RTOL = 1e-5, 1e-3, 1e-4
 
 TINY_VAE = [
     *TINY_VAE_MODEL,
+    *ONE_THREAD,
     "--num_workers",
     "0",
     "--quiet",
@@ -53,6 +55,7 @@ def dalle_args(vae_path, out, batch, steps=3, extra=()):
         "--vae_path",
         vae_path,
         *TINY_DALLE_MODEL,
+        *ONE_THREAD,
         "--batch_size",
         str(batch),
         "--num_workers",
@@ -131,11 +134,42 @@ def grad_norms(run_dir):
     return [json.loads(line)["grad_norm"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def assert_same(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    diff = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
-    assert diff.max() <= FAR, f"max difference {diff.max():.2e}"
-    assert (diff > CLOSE).float().mean() <= 0.005, f"{(diff > CLOSE).float().mean():.2%} of weights differ by > {CLOSE}"
+def assert_same(a: dict, b: dict, far: float = FAR, beyond_close: float = 0.005):
+    """Every tensor of `b` matches `a`: all of its elements within `far`, at most a fraction `beyond_close`
+    of them (and at least one element, for a 32-element bias) beyond CLOSE."""
+    assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())}"
+    wrong = []
+    for k in a:
+        assert a[k].shape == b[k].shape, f"{k}: shape {tuple(a[k].shape)} != {tuple(b[k].shape)}"
+        diff = (a[k].float() - b[k].float()).abs().flatten()
+        if diff.numel() == 0:
+            continue
+        beyond, allowed = int((diff > CLOSE).sum()), max(1, int(beyond_close * diff.numel()))
+        if diff.max() > far or beyond > allowed:
+            wrong.append(
+                f"{k} {tuple(a[k].shape)}: max difference {diff.max():.2e} (limit {far:.0e}), "
+                f"{beyond} of {diff.numel()} elements beyond {CLOSE:.0e} (limit {allowed})"
+            )
+    assert not wrong, "tensors differ:\n" + "\n".join(wrong)
+
+
+def test_assert_same_catches_one_wrong_tensor():
+    """One small tensor off by 1e-2, or all of it a little off, among 40k right weights is caught and named;
+    pooled over all weights, the second would be 0.08% of them and pass."""
+    g = torch.Generator().manual_seed(0)
+    a = {"big.weight": torch.randn(200, 200, generator=g), "small.bias": torch.randn(32, generator=g)}
+
+    def changed(name, delta):
+        return {k: v + delta if k == name else v for k, v in a.items()}
+
+    assert_same(a, a)
+    assert_same(a, changed("small.bias", torch.eye(32)[0] * 5e-4))  # one element beyond CLOSE, within FAR
+    with pytest.raises(AssertionError, match=r"small\.bias \(32,\): max difference 1\.00e-02"):
+        assert_same(a, changed("small.bias", torch.eye(32)[3] * 1e-2))
+    with pytest.raises(AssertionError, match=r"small\.bias .* 32 of 32 elements beyond"):
+        assert_same(a, changed("small.bias", torch.full((32,), 1e-4)))
+    with pytest.raises(AssertionError, match=r"big\.weight"):  # 1% of one tensor
+        assert_same(a, changed("big.weight", (torch.rand(200, 200, generator=g) < 0.01) * 1e-4))
 
 
 CASES = [
@@ -195,8 +229,8 @@ def test_horovod_fp16_compression(vae_path, reference, tmp_path):
     assert 2e-6 < first < 5e-4, first
     assert grad_norms(run) == pytest.approx(ref_norms, rel=5e-4)
     weights = safe_load(os.path.join(run, "dalle.pt"))["weights"]
-    diff = torch.cat([(weights[k] - ref_weights[k]).abs().flatten() for k in weights])
-    assert diff.max() <= 3 * FAR and (diff > CLOSE).float().mean() <= 0.02
+    # measured: max 1.2e-3; the most affected tensor, layers.1.attn.to_qkv.weight, has 1.6% beyond CLOSE
+    assert_same(ref_weights, weights, far=3 * FAR, beyond_close=0.02)
 
 
 @pytest.mark.parametrize("kind", ["torchrun", "deepspeed", "horovod"])
@@ -264,6 +298,7 @@ def test_horovod_clips_synchronized_gradients():
     assert out.stdout.count("CLIP_OK") == 2
 
 
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
 def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     """A DDP checkpoint of 2 ranks resumes under Horovod and DeepSpeed ZeRO-1 on 2 ranks, an FSDP one in a
     single process, and each reaches the parameters of the uninterrupted DDP run."""
@@ -298,6 +333,7 @@ def restart_from_step_2(src, dst):
     os.remove(dst / "dalle.pt")
 
 
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
 def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", "2"]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=args))
@@ -312,6 +348,7 @@ def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
     assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
 
 
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
 def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
     """A ZeRO-2 checkpoint of 2 ranks resumes under Horovod on 2 ranks, in one process, and under ZeRO-3
     (DeepSpeed's own format cannot change stage), also with the optimizer offloaded; each reaches the
@@ -350,6 +387,7 @@ def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
     assert_same(full, safe_load(str(tmp_path / "off" / "dalle" / "dalle.pt"))["weights"])
 
 
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
 def test_deepspeed_stage0_bf16_checkpoint_resumes_under_zero2(vae_path, tmp_path):
     """ZeRO stage 0 in bf16 steps fp32 copies of the weights that are not the module's parameters: the
     portable checkpoint must carry those copies and their Adam moments, or the resumed run drifts."""
