@@ -17,7 +17,19 @@ from dalle_pytorch.files import safe_load
 from dalle_pytorch.models.clip import CLIP, CLIPConfig
 
 TINY_CLIP = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
-QUIET = ["--num_workers", "0", "--quiet", "--dataset_size", "64", "--log_every", "1", "--sample_every", "0"]
+QUIET = [
+    "--num_workers",
+    "0",
+    "--quiet",
+    "--dataset_size",
+    "64",
+    "--log_every",
+    "1",
+    "--sample_every",
+    "0",
+    "--threads",
+    "1",
+]
 
 
 def tiny(**kw):

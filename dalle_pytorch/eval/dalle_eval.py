@@ -40,7 +40,7 @@ def evaluate_dalle(
     num_images: int,
     out: str,
     seed: int = 0,
-    batch_size: int = 50,
+    batch_size: int = 64,
     clip_path: str = "",
     candidates: int = 16,
     keep: int = 1,
