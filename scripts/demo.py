@@ -1,5 +1,6 @@
-"""The main job on the built-in synthetic captioned dataset, end to end, on a CPU in about 10 minutes:
-train the VAE, train DALLE on its tokens, generate images for a few captions, evaluate by parsing.
+"""The main job on the built-in synthetic captioned dataset, end to end, on a CPU in about 15 minutes:
+train the VAE, train DALLE on its tokens, train a CLIP to rerank its samples, generate images for a few
+captions (the best 4 of 16 by CLIP), evaluate by parsing, with and without reranking.
 
     make demo            (or: .venv/bin/python scripts/demo.py [--out demo])
 """
