@@ -22,11 +22,11 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The default suite: unit tests, then the real launchers on 2 local ranks (about 11 minutes on 2 cores).
+# The default suite: unit tests, then the real launchers on 2 local ranks (about 9 minutes on 2 cores).
 test: install lint
 	$(PY) -m pytest -q -m "not slow"
 
-# Only the slowest launcher checks (resume across launchers and ZeRO stages, Horovod elastic), about 6 minutes.
+# Only the slowest launcher checks (resume across launchers and ZeRO stages, Horovod elastic), about 4 minutes.
 test-launchers: install
 	$(PY) -m pytest -q -m launchers
 
