@@ -52,40 +52,34 @@ def main(argv=None):
 
 
 def _train(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, cfg: TrainConfig, backend_options: dict):
-    from dalle_pytorch.data.build import build_dataset, build_text_tokenizer, describe
     from dalle_pytorch.data.tokenized import tokenized
     from dalle_pytorch.data.tokenizer import tokenizer_from_dict
     from dalle_pytorch.training.clip_task import CLIPTask
     from dalle_pytorch.training.export import dalle_fit
     from dalle_pytorch.training.loop import train
-    from dalle_pytorch.training.session import distributed_run
+    from dalle_pytorch.training.session import distributed_run, run_dataset, run_text_tokenizer
 
     fit = dalle_fit(run_cfg.dalle_path) if run_cfg.dalle_path else None
     size = fit["image_size"] if fit else run_cfg.image_size
     channels = fit["channels"] if fit else run_cfg.channels
     configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
     with distributed_run(cfg, "clip", configs, backend_options) as (backend, recovery, run):
-        pairs = build_dataset(
+        pairs = run_dataset(
             run_cfg.image_text_folder,
             run_cfg.wds,
             True,
             size,
             channels,
             run_cfg.resize_ratio,
-            rank=backend.rank,
-            world_size=backend.world_size,
-            seed=cfg.seed,
-            dataset_size=cfg.dataset_size,
-            folder_flag="--image_text_folder",
+            cfg,
+            backend,
+            run,
+            "--image_text_folder",
         )
-        run.print(f"data: {describe(pairs)} from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])
         else:
-            flags = vars(run_cfg)
-            tokenizer = build_text_tokenizer(
-                flags, run.path, pairs, bool(cfg.resume), backend.is_main, backend.barrier, run.print
-            )
+            tokenizer = run_text_tokenizer(vars(run_cfg), cfg, backend, run, pairs)
         model_cfg = dataclasses.replace(
             model_cfg,
             num_text_tokens=tokenizer.vocab_size,

@@ -72,12 +72,11 @@ def main(argv=None):
 
 
 def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict):
-    from dalle_pytorch.data.build import build_dataset, build_text_tokenizer, describe
     from dalle_pytorch.data.tokenized import tokenized
     from dalle_pytorch.training.build import check_same_tokenizer, load_image_tokenizer, precomputed, tokenizer_flag
     from dalle_pytorch.training.dalle_task import DALLETask
     from dalle_pytorch.training.loop import train
-    from dalle_pytorch.training.session import distributed_run
+    from dalle_pytorch.training.session import distributed_run, run_dataset, run_text_tokenizer
 
     flags = vars(run_cfg)
     vae, vae_export, vae_id = load_image_tokenizer(flags)
@@ -87,23 +86,19 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
     with distributed_run(cfg, "dalle", configs, backend_options) as (backend, recovery, run):
-        pairs = build_dataset(
+        pairs = run_dataset(
             run_cfg.image_text_folder,
             run_cfg.wds,
             True,
             vae.image_size,
             vae.channels,
             run_cfg.resize_ratio,
-            rank=backend.rank,
-            world_size=backend.world_size,
-            seed=cfg.seed,
-            dataset_size=cfg.dataset_size,
-            folder_flag="--image_text_folder",
+            cfg,
+            backend,
+            run,
+            "--image_text_folder",
         )
-        run.print(f"data: {describe(pairs)} from {run_cfg.image_text_folder or 'the built-in synthetic dataset'}")
-        tokenizer = build_text_tokenizer(
-            flags, run.path, pairs, bool(cfg.resume), backend.is_main, backend.barrier, run.print
-        )
+        tokenizer = run_text_tokenizer(flags, cfg, backend, run, pairs)
         model_cfg = dataclasses.replace(
             model_cfg,
             num_text_tokens=tokenizer.vocab_size,

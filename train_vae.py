@@ -45,27 +45,24 @@ def main(argv=None):
 
 
 def _train(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backend_options: dict):
-    from dalle_pytorch.data.build import build_dataset, describe
     from dalle_pytorch.training.loop import total_steps, train
-    from dalle_pytorch.training.session import distributed_run
+    from dalle_pytorch.training.session import distributed_run, run_dataset
     from dalle_pytorch.training.vae_task import VAETask
 
     configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
     with distributed_run(cfg, "vae", configs, backend_options) as (backend, recovery, run):
-        dataset = build_dataset(
+        dataset = run_dataset(
             run_cfg.image_folder,
             run_cfg.wds,
             False,
             model_cfg.image_size,
             model_cfg.channels,
             run_cfg.resize_ratio,
-            rank=backend.rank,
-            world_size=backend.world_size,
-            seed=cfg.seed,
-            dataset_size=cfg.dataset_size,
-            folder_flag="--image_folder",
+            cfg,
+            backend,
+            run,
+            "--image_folder",
         )
-        run.print(f"data: {describe(dataset)} from {run_cfg.image_folder or 'the built-in synthetic dataset'}")
         # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
         anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
         task = VAETask(

@@ -19,7 +19,7 @@ from .base import Backend, StepOptions, StepResult
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
 from .deepspeed_config import DeepSpeedOptions, build_config, choose_zero_stage, read_user_config
 from .topology import Topology
-from .torch_parts import ProcessGroup, export_launcher_env
+from .torch_parts import ProcessGroup, destroy_process_group, export_launcher_env
 
 TAG = "deepspeed"  # the folder of DeepSpeed's own checkpoint inside ours
 
@@ -79,8 +79,7 @@ class DeepSpeedBackend(Backend):
         self.collectives = ProcessGroup(self.world_size)
 
     def teardown(self) -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_process_group()
 
     def autocast(self):
         return contextlib.nullcontext()  # the engine applies bf16 / fp16 itself, from the config

@@ -64,6 +64,11 @@ def _view(t: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     return t.detach().view(-1).narrow(0, offset, like.numel()).view_as(like)
 
 
+def _full_shape(p) -> tuple[int, ...]:
+    """A parameter's own shape (ZeRO-3 leaves an empty tensor in its place and keeps the shape in ds_shape)."""
+    return tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+
+
 def _partitioned(p) -> bool:
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
@@ -175,7 +180,7 @@ def sharded_state_dict(module, engine_optimizer, names: list[list[str]], with_op
     state = {}
     for name, p in params.items():
         if _partitioned(p):
-            shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+            shape = _full_shape(p)
             start, weight, moment = _local_fragment(p) or (0, None, lambda key: None)
             model_sd[name] = _sharded(shape, start, weight, rank)
             moments = {k: _sharded(shape, start, moment(k), rank) for k in keys}
@@ -236,7 +241,7 @@ def load(module, engine_optimizer, names: list[list[str]], checkpoint_id: str, w
     order = list(params)
     for i in range(0, len(order), _CHUNK):
         chunk = {n: params[n] for n in order[i : i + _CHUNK]}
-        shapes = {n: tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape) for n, p in chunk.items()}
+        shapes = {n: _full_shape(p) for n, p in chunk.items()}
         sd = {"model": {n: torch.empty(shape) for n, shape in shapes.items()}}
         if with_optimizer:
             empty = {n: {"step": torch.zeros(()), **{k: torch.empty(s) for k in MOMENTS}} for n, s in shapes.items()}

@@ -71,7 +71,8 @@ def evaluate_dalle(
             idx = list(range(start, min(start + captions_per_batch, num_images)))
             text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
             tokens = generate_image_tokens(dalle, text.repeat_interleave(per_caption, 0), generator=g, **sampling)
-            images = vae.decode(tokens).view(len(idx), per_caption, *vae_shape(vae))
+            images = vae.decode(tokens)
+            images = images.view(len(idx), per_caption, *images.shape[1:])  # (captions, samples, c, s, s)
             for i, group in zip(idx, images):
                 scores = [score(data.scene(i), parse_image(img)) for img in group]
                 plain += scores
@@ -94,10 +95,6 @@ def evaluate_dalle(
                 + "\n"
             )
     return result
-
-
-def vae_shape(vae) -> tuple[int, int, int]:
-    return (vae.channels, vae.image_size, vae.image_size)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import torch
 
 from distributed import make_backend, make_recovery, set_threads, topology_from_env
 
+from ..data.build import build_dataset, build_text_tokenizer, describe
 from .run import RunDir
 
 
@@ -53,3 +54,38 @@ def distributed_run(cfg, default_name: str, configs: dict, backend_options: dict
     finally:
         run.close()
         backend.teardown()
+
+
+def run_dataset(
+    folder: str,
+    wds: str,
+    captions: bool,
+    image_size: int,
+    channels: int,
+    resize_ratio: float,
+    cfg,
+    backend,
+    run,
+    folder_flag: str,
+):
+    """The trainers' dataset (data.build.build_dataset) for this rank, said in the run's log."""
+    dataset = build_dataset(
+        folder,
+        wds,
+        captions,
+        image_size,
+        channels,
+        resize_ratio,
+        rank=backend.rank,
+        world_size=backend.world_size,
+        seed=cfg.seed,
+        dataset_size=cfg.dataset_size,
+        folder_flag=folder_flag,
+    )
+    run.print(f"data: {describe(dataset)} from {folder or 'the built-in synthetic dataset'}")
+    return dataset
+
+
+def run_text_tokenizer(flags, cfg, backend, run, dataset):
+    """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and read by every rank."""
+    return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, backend.barrier, run.print)
