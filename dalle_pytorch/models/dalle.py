@@ -37,6 +37,10 @@ class DALLEConfig:
     qk_norm: bool = flag(False, "LayerNorm on queries and keys per head")
     z_loss_weight: float = flag(0.0, "weight of the z-loss (mean squared log-partition of the logits)")
     null_cond_prob: float = flag(0.0, "probability of dropping the caption in training (enables --cond_scale)")
+    # lucidrains' dalle-pytorch 1.6 layout, set by `convert --from_reference` (not a flag): padding at text
+    # position i is its own token (the last text_seq_len ids of the text vocabulary), the output heads have a
+    # bias, and token shift moves half of a text token's features and a quarter each from above and the left
+    reference_layout: bool = False
     # set from the tokenizer and the VAE, not from flags
     num_text_tokens: int = 257
     num_image_tokens: int = 128
@@ -90,8 +94,8 @@ class DALLE(nn.Module):
         self.transformer = Transformer(cfg)
         self.norm = nn.LayerNorm(d)
         self.divide_max = DivideMax() if cfg.stable else nn.Identity()
-        self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=False)
-        self.image_head = nn.Linear(d, cfg.num_image_tokens, bias=False)
+        self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=cfg.reference_layout)
+        self.image_head = nn.Linear(d, cfg.num_image_tokens, bias=cfg.reference_layout)
         if cfg.share_input_output_emb:
             self.text_head.weight = self.text_emb.weight
             self.image_head.weight = self.image_emb.weight
@@ -123,6 +127,9 @@ class DALLE(nn.Module):
     def embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """Embeddings of the input positions [bos, text, image tokens given]: (b, 1 + text_seq_len + k, dim)."""
         b, c = text.shape[0], self.cfg
+        if c.reference_layout:  # padding (0) at position i becomes the id reserved for padding there
+            pad_ids = torch.arange(c.num_text_tokens - c.text_seq_len, c.num_text_tokens, device=text.device)
+            text = torch.where(text == 0, pad_ids, text)
         x = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
         if not c.rotary_emb:
             x = x + self.text_pos.weight

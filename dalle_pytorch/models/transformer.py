@@ -75,12 +75,15 @@ def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
 
-def shift_tokens(x: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int) -> torch.Tensor:
+def shift_tokens(x: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int, reference: bool = False) -> torch.Tensor:
     """Token shift (after lucidrains' DALLE-pytorch, itself after RWKV) at the positions `pos` (m,) of the
     sequence x (b, n, d): (b, m, d). Text: the first quarter of the features comes from the previous token.
     Image: the first quarter from the token to the left, the second from the token above (zeros past the
     image's edges). Neighbours are gathered by index, so the whole sequence (pos = arange(n)) and one decode
-    position (pos of length 1, x the cached history) share this code and no shape depends on the position."""
+    position (pos of length 1, x the cached history) share this code and no shape depends on the position.
+
+    `reference`: lucidrains' dalle-pytorch 1.6 (PreShiftToken): text takes the first half from the previous
+    token; image the first quarter from above and the second from the left."""
     q = x.shape[-1] // 4
     img = pos - text_len - 1  # image index held at each position (negative for bos and text)
     is_img = img >= 0
@@ -92,7 +95,14 @@ def shift_tokens(x: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int) -
         # indexing, not index_select: index_select on a feature slice (non-contiguous) is ~10x slower on CPU
         return x[:, src.clamp(min=0), lo:hi].masked_fill((src < 0)[None, :, None], 0.0)
 
-    return torch.cat([take(first, 0, q), take(second, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
+    if not reference:
+        return torch.cat([take(first, 0, q), take(second, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
+    above = torch.where(img >= fmap, pos - fmap, -1)
+    left = torch.where(img % fmap == 0, -1, pos - 1)
+    h = x.shape[-1] // 2
+    text = torch.cat([take(pos - 1, 0, h), x[:, pos, h:]], dim=-1)
+    image = torch.cat([take(above, 0, q), take(left, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
+    return torch.where(is_img[None, :, None], image, text)
 
 
 @dataclass
@@ -204,6 +214,7 @@ class Block(nn.Module):
         self.scale1 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None
         self.scale2 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None
         self.shift = cfg.shift_tokens
+        self.reference_shift = getattr(cfg, "reference_layout", False)
         self.text_len, self.fmap = cfg.text_seq_len, cfg.image_fmap_size
 
     def forward(self, x, mask, angles, cache: LayerCache | None = None):
@@ -227,7 +238,7 @@ class Block(nn.Module):
         if not self.shift:
             return h
         seq = h if history is None else history.index_copy_(1, pos, h)
-        return shift_tokens(seq, pos, self.text_len, self.fmap)
+        return shift_tokens(seq, pos, self.text_len, self.fmap, self.reference_shift)
 
 
 class Transformer(nn.Module):

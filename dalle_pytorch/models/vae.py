@@ -32,6 +32,9 @@ class VAEConfig:
     smooth_l1_loss: bool = flag(False, "smooth-L1 reconstruction loss instead of MSE")
     # per-channel (mean, std) applied to inputs in [0, 1]; None means 0.5 and 0.5 for every channel
     normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # lucidrains' dalle-pytorch layout, set by `convert --from_reference`: without resnet blocks the decoder
+    # starts with its first transposed conv on the codebook vectors (no 1x1 conv to hidden_dim before it)
+    reference_layout: bool = False
 
     def __post_init__(self):
         if self.image_size < 2 or self.image_size & (self.image_size - 1):
@@ -96,10 +99,14 @@ class DiscreteVAE(nn.Module):
         enc += [ResBlock(h) for _ in range(cfg.num_resnet_blocks)]
         enc.append(nn.Conv2d(h, cfg.num_tokens, 1))
 
-        dec.append(nn.Conv2d(cfg.codebook_dim, h, 1))
+        chans = cfg.codebook_dim
+        if cfg.num_resnet_blocks or not cfg.reference_layout:
+            dec.append(nn.Conv2d(chans, h, 1))
+            chans = h
         dec += [ResBlock(h) for _ in range(cfg.num_resnet_blocks)]
         for _ in range(cfg.num_layers):
-            dec += [nn.ConvTranspose2d(h, h, 4, stride=2, padding=1), nn.ReLU()]
+            dec += [nn.ConvTranspose2d(chans, h, 4, stride=2, padding=1), nn.ReLU()]
+            chans = h
         dec.append(nn.Conv2d(h, cfg.channels, 1))
 
         self.encoder = nn.Sequential(*enc)
