@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 
+import predecessor_flags
 from dalle_pytorch.config import flag
-from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions
+from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+LR_DECAYS = ("cosine", "exponential", "linear", "constant")
 
 
 @dataclass
@@ -34,9 +37,7 @@ class TrainConfig:
     )
     # optimisation
     learning_rate: float = flag(1e-3, "peak learning rate (never rescaled by world size)")
-    lr_decay: str = flag(
-        "cosine", "learning-rate decay after warmup", choices=("cosine", "exponential", "linear", "constant")
-    )
+    lr_decay: str = flag("cosine", "learning-rate decay after warmup", choices=LR_DECAYS)
     lr_min_factor: float = flag(0.1, "final learning rate as a fraction of --learning_rate")
     warmup_steps: int = flag(0, "linear learning-rate warmup steps")
     weight_decay: float = flag(0.0, "AdamW weight decay (never applied to norms, biases and embeddings)")
@@ -65,6 +66,7 @@ class TrainConfig:
     tensorboard: bool = flag(True, "write TensorBoard event files into the run directory")
     wandb: bool = flag(False, "log to Weights & Biases too (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = flag("dalle-pytorch", "Weights & Biases project")
+    wandb_entity: str = flag("", "Weights & Biases entity (user or team; default: your account's)")
     quiet: bool = flag(False, "no progress bar")
     debug: bool = flag(False, "show Python tracebacks for user errors")
 
@@ -137,13 +139,32 @@ def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
         group.add_argument(f"--{f.name}", **kw)
 
 
-def build_parser(description: str, *configs: tuple[type, str], extra=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """A trainer's parser; with `predecessor` set (train_vae, train_dalle) it also reads that script's flags of
+    lucidrains' DALLE-pytorch 1.6 and turns them into ours (predecessor_flags.py)."""
+
+    predecessor: str | None = None
+
+    def parse_args(self, args=None, namespace=None):
+        if self.predecessor is None:
+            return super().parse_args(args, namespace)
+        args = sys.argv[1:] if args is None else list(args)
+        ns = super().parse_args(predecessor_flags.rewrite_argv(args, LR_DECAYS), namespace)
+        say = print if topology_from_env().rank == 0 else (lambda *_: None)
+        predecessor_flags.apply(ns, self.predecessor, say)
+        return ns
+
+
+def build_parser(description: str, *configs: tuple[type, str], extra=None, predecessor: str | None = None) -> Parser:
+    parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     for cls, title in (*configs, *((cls, f"{name} backend") for name, cls in BACKEND_OPTIONS.items())):
         _add_fields(parser, cls, title)
     if extra:
         extra(parser)
+    if predecessor:
+        parser.predecessor = predecessor
+        predecessor_flags.add_flags(parser, predecessor)
     return parser
 
 

@@ -4,9 +4,12 @@
     python generate.py --dalle_path dalle.pt --text "a red circle|a blue square" --num_images 8 --cond_scale 3
     python generate.py --dalle_path dalle.pt --text_file prompts.txt --seed 1
     python generate.py --dalle_path dalle.pt --text "a red circle" --clip_path clip.pt --num_images 64 --keep 8
+    python generate.py --dalle_path dalle.pt --text "a small" --gentxt     # the model completes the caption first
 
 Writes outputs/<prompt>/0000.png ..., grid.png and settings.json per prompt. With --clip_path the images are
 ranked by CLIP (train_clip.py): the best --keep are written, best first, with their scores in settings.json.
+A dalle.pt of lucidrains' dalle-pytorch 1.6 is read as it is (converted on the fly; its text tokenizer is the
+one its flags say: --bpe_path [--hug], --chinese, or the CLIP BPE), and its commands' flags are accepted.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import re
 
 import torch
+
+from predecessor_flags import top_k_arg, top_k_count
 
 
 def sanitize(prompt: str, max_len: int = 80) -> str:
@@ -33,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_images", type=int, default=4, help="images per prompt")
     p.add_argument("--batch_size", type=int, default=16, help="images generated at once")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument(
+        "--top_k",
+        type=top_k_arg,
+        default=0,
+        help="sample among the k most likely tokens (0: all); a fraction is the predecessor's threshold (0.9)",
+    )
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--cond_scale", type=float, default=1.0, help="classifier-free guidance scale (1: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same images")
@@ -60,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cuda_graphs", action="store_true", help="with --compile on a GPU: replay the decode step as a CUDA graph"
     )
+    p.add_argument(
+        "--gentxt",
+        "--gentext",
+        action="store_true",
+        help="complete each --text from the model's caption half first (or invent a caption for an empty one)",
+    )
+    old = p.add_argument_group("a dalle-pytorch 1.6 dalle.pt (our exports carry their tokenizers)")
+    old.add_argument("--bpe_path", default="", help="the YouTokenToMe model it was trained with (JSON with --hug)")
+    old.add_argument("--hug", action="store_true", help="--bpe_path is a Hugging Face tokenizers JSON")
+    old.add_argument("--chinese", action="store_true", help="it was trained with the Chinese tokenizer")
+    old.add_argument("--taming", action="store_true", help="it was trained on a VQGAN (give --vqgan_config_path)")
+    old.add_argument("--vqgan_config_path", default="", help="the config of the VQGAN it was trained on")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     return p
@@ -72,6 +94,8 @@ def read_prompts(args) -> list[str]:
             raise FileNotFoundError(f"--text_file {args.text_file} does not exist")
         with open(args.text_file, encoding="utf-8") as f:
             prompts += [line.strip() for line in f if line.strip()]
+    if not prompts and args.gentxt:
+        return [""]  # the model invents the caption
     if not prompts:
         raise ValueError('give a prompt with --text "a red circle" or --text_file FILE')
     return prompts
@@ -92,7 +116,7 @@ def _generate(args):
 
     from dalle_pytorch.data.folders import image_transform
     from dalle_pytorch.models.clip import rank_by_clip
-    from dalle_pytorch.models.sampling import generate_image_tokens
+    from dalle_pytorch.models.sampling import generate_image_tokens, generate_text_tokens
     from dalle_pytorch.training.export import check_clip_fits, load_clip, load_dalle
 
     prompts = read_prompts(args)
@@ -101,8 +125,12 @@ def _generate(args):
     if args.num_images < 1 or args.batch_size < 1:
         raise ValueError("--num_images and --batch_size must be at least 1")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dalle, vae, tokenizer = load_dalle(args.dalle_path, device, args.vqgan_model_path, args.openai_vae_path)
+    reference = dict(
+        bpe_path=args.bpe_path, hug=args.hug, chinese=args.chinese, vqgan_config_path=args.vqgan_config_path
+    )
+    dalle, vae, tokenizer = load_dalle(args.dalle_path, device, args.vqgan_model_path, args.openai_vae_path, reference)
     cfg = dalle.cfg
+    top_k = top_k_count(args.top_k, cfg.num_text_tokens, cfg.num_image_tokens)
     clip = None
     if args.keep and not args.clip_path:
         raise ValueError("--keep ranks the images with CLIP: give --clip_path clip.pt (train_clip.py writes one)")
@@ -115,7 +143,8 @@ def _generate(args):
     if args.img:
         if not os.path.exists(args.img):
             raise FileNotFoundError(f"--img {args.img} does not exist")
-        image = image_transform(vae.image_size, train=False)(Image.open(args.img).convert("RGB"))[None].to(device)
+        mode = "RGBA" if vae.channels == 4 else "RGB"  # an RGBA model is primed with the image's alpha too
+        image = image_transform(vae.image_size, train=False)(Image.open(args.img).convert(mode))[None].to(device)
         n = args.num_init_img_tokens or cfg.image_seq_len // 4
         if not 0 < n < cfg.image_seq_len:
             raise ValueError(f"--num_init_img_tokens must be between 1 and {cfg.image_seq_len - 1} (got {n})")
@@ -129,6 +158,13 @@ def _generate(args):
         text, truncated = tokenizer.tokenize(prompt, cfg.text_seq_len)
         if truncated:
             print(f"warning: prompt truncated to {cfg.text_seq_len} tokens: {prompt!r}")
+        if args.gentxt:  # the predecessor's threshold counts text and image logits; at most the text vocabulary
+            text_k = top_k_count(args.top_k, cfg.num_text_tokens, cfg.num_text_tokens, say=lambda _: None)
+            text = generate_text_tokens(
+                dalle, text.to(device), temperature=args.temperature, top_k=text_k, top_p=args.top_p, generator=g
+            ).cpu()
+            prompt = tokenizer.decode([i for i in text[0].tolist() if i]) or prompt
+            print(f"caption: {prompt}")
         folder = os.path.join(args.outputs_dir, sanitize(prompt))
         os.makedirs(folder, exist_ok=True)
         images = []
@@ -138,7 +174,7 @@ def _generate(args):
                 dalle,
                 text.to(device).expand(b, -1),
                 temperature=args.temperature,
-                top_k=args.top_k,
+                top_k=top_k,
                 top_p=args.top_p,
                 cond_scale=args.cond_scale,
                 generator=g,
@@ -155,7 +191,7 @@ def _generate(args):
             order = scores.argsort(descending=True)[: args.keep or len(images)]
             images = images[order]
             settings["clip_scores"] = [round(v, 5) for v in scores[order].tolist()]
-        images = images[:, :3].cpu()
+        images = images.cpu()  # every channel: an RGBA model's PNGs keep their alpha
         for i, img in enumerate(images):
             save_image(img, os.path.join(folder, f"{i:04d}.png"))
         save_image(images, os.path.join(folder, "grid.png"), nrow=min(len(images), 8), padding=1)

@@ -36,6 +36,11 @@ class DALLERunConfig:
     vae_path: str = flag(
         "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
     )
+    dalle_path: str = flag(
+        "",
+        "start from this DALLE export (or a dalle-pytorch 1.6 dalle.pt): its model, weights, tokenizers and VAE; "
+        "the model and tokenizer flags are not used",
+    )
     taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
     vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
     vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
@@ -50,7 +55,13 @@ class DALLERunConfig:
         "", "image and caption keys of WebDataset shards, e.g. jpg,txt: --image_text_folder holds the shard URLs"
     )
     resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
-    tokenizer: str = flag("yttm", "text tokenizer when no --bpe_path is given", choices=("yttm", "byte"))
+    tokenizer: str = flag(
+        "yttm",
+        "text tokenizer: yttm or byte (either gives way to a --bpe_path), clip (OpenAI CLIP's BPE, bundled: "
+        "lucidrains' DALLE-pytorch's default), chinese (bert-base-chinese's WordPiece, its vocab.txt from "
+        "--bpe_path or the cn-clip package)",
+        choices=("yttm", "byte", "clip", "chinese"),
+    )
     bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
     hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
     bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
@@ -63,7 +74,11 @@ class DALLERunConfig:
 
 def main(argv=None):
     parser = build_parser(
-        __doc__, (DALLEConfig, "model"), (DALLERunConfig, "DALLE training"), (TrainConfig, "training")
+        __doc__,
+        (DALLEConfig, "model"),
+        (DALLERunConfig, "DALLE training"),
+        (TrainConfig, "training"),
+        predecessor="train_dalle",
     )
     parser.set_defaults(learning_rate=1e-3, batch_size=32, warmup_steps=50, name="dalle", weight_decay=0.01)
     ns = parser.parse_args(argv)
@@ -73,13 +88,19 @@ def main(argv=None):
 
 def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict):
     from dalle_pytorch.data.tokenized import tokenized
+    from dalle_pytorch.data.tokenizer import tokenizer_from_dict
     from dalle_pytorch.training.build import check_same_tokenizer, load_image_tokenizer, precomputed, tokenizer_flag
     from dalle_pytorch.training.dalle_task import DALLETask
     from dalle_pytorch.training.loop import train
     from dalle_pytorch.training.session import distributed_run, run_dataset, run_text_tokenizer
 
     flags = vars(run_cfg)
-    vae, vae_export, vae_id = load_image_tokenizer(flags)
+    start = None
+    if run_cfg.dalle_path:
+        start, vae, vae_export, vae_id = _start_from(run_cfg)
+        model_cfg = DALLEConfig(**start["config"])
+    else:
+        vae, vae_export, vae_id = load_image_tokenizer(flags)
     if cfg.resume:
         check_same_tokenizer(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(flags))
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
@@ -98,7 +119,10 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
             run,
             "--image_text_folder",
         )
-        tokenizer = run_text_tokenizer(flags, cfg, backend, run, pairs)
+        if start is None:
+            tokenizer = run_text_tokenizer(flags, cfg, backend, run, pairs)
+        else:
+            tokenizer = tokenizer_from_dict(start["tokenizer"])
         model_cfg = dataclasses.replace(
             model_cfg,
             num_text_tokens=tokenizer.vocab_size,
@@ -107,6 +131,9 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
         )
         run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
+        if start is not None:
+            dalle.load_state_dict(start["weights"])
+            run.print(f"started from {run_cfg.dalle_path} (weights only: a new optimizer and schedule)")
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
         dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
@@ -122,6 +149,27 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
             run.print(f"truncated {dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
+
+
+def _start_from(run_cfg: DALLERunConfig):
+    """(export, image tokenizer, its export or record, its fingerprint) of --dalle_path."""
+    from dalle_pytorch.files import fingerprint
+    from dalle_pytorch.training.export import read_dalle
+
+    given = [f for f in ("vae_path", "taming", "openai_vae_path") if getattr(run_cfg, f)]
+    if given:
+        raise ValueError(f"--dalle_path brings its own VAE: drop --{', --'.join(given)}")
+    # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
+    reference = {
+        "bpe_path": run_cfg.bpe_path,
+        "hug": run_cfg.hug,
+        "chinese": run_cfg.tokenizer == "chinese",
+        "vqgan_config_path": run_cfg.vqgan_config_path,
+    }
+    start, vae = read_dalle(run_cfg.dalle_path, run_cfg.vqgan_model_path, reference=reference)
+    record = start["vae"]
+    vae_id = fingerprint(record["config"], record["weights"]) if record["kind"] == "vae" else record["fingerprint"]
+    return start, vae, record, vae_id
 
 
 if __name__ == "__main__":

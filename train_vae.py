@@ -37,7 +37,13 @@ def _defaults(parser) -> None:
 
 
 def main(argv=None):
-    parser = build_parser(__doc__, (VAEConfig, "model"), (VAERunConfig, "VAE training"), (TrainConfig, "training"))
+    parser = build_parser(
+        __doc__,
+        (VAEConfig, "model"),
+        (VAERunConfig, "VAE training"),
+        (TrainConfig, "training"),
+        predecessor="train_vae",
+    )
     _defaults(parser)
     ns = parser.parse_args(argv)
     with user_errors(ns.debug):

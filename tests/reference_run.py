@@ -1,7 +1,7 @@
 """Run lucidrains' dalle-pytorch 1.6.6 itself: build its DiscreteVAE and DALLE with random weights, save
 them as its train_vae.py / train_dalle.py do, and record its VAE codes and DALLE logits on fixed inputs.
 
-    python -I tests/reference_run.py REFERENCE_DIR OUT_DIR CASE
+    python -I tests/reference_run.py REFERENCE_DIR OUT_DIR CASE TEXT_VOCAB
 
 Run in its own process (`python -I`: the repository is not on sys.path), since the predecessor's package is
 also called `dalle_pytorch`. REFERENCE_DIR holds `pip install --no-deps --target` of dalle-pytorch==1.6.6,
@@ -26,7 +26,7 @@ CASES = {  # the DALLE options each case turns on (the rest are train_dalle.py's
     "shared": dict(share_input_output_emb=True, shared_attn_ids=(0, 0, 1), shared_ff_ids=(0, 1, 1)),
 }
 VAE_HPARAMS = dict(image_size=32, num_layers=2, num_tokens=64, channels=3, codebook_dim=32, hidden_dim=16)
-DALLE_HPARAMS = dict(num_text_tokens=100, text_seq_len=12, dim=32, depth=3, heads=2, dim_head=16, loss_img_weight=7)
+DALLE_HPARAMS = dict(text_seq_len=12, dim=32, depth=3, heads=2, dim_head=16, loss_img_weight=7)
 
 
 def _stand_ins() -> None:
@@ -43,7 +43,7 @@ def _stand_ins() -> None:
             sys.modules[name] = module
 
 
-def main(reference_dir: str, out: str, case: str) -> None:
+def main(reference_dir: str, out: str, case: str, text_vocab: str) -> None:
     sys.path.insert(0, reference_dir)
     _stand_ins()
     from dalle_pytorch import DALLE, DiscreteVAE
@@ -52,7 +52,9 @@ def main(reference_dir: str, out: str, case: str) -> None:
     resblocks = 0 if case == "plain" else 1  # 0: the decoder's first layer reads the codebook directly
     vae_params = dict(VAE_HPARAMS, num_resnet_blocks=resblocks)
     vae = DiscreteVAE(**vae_params)
-    hparams = dict(DALLE_HPARAMS, **CASES[case], attn_types=("full",), reversible=False, stable=False,
+    with torch.no_grad():  # default init gives logits dominated by their bias: a few codes everywhere
+        vae.encoder[-1].weight.mul_(20)
+    hparams = dict(DALLE_HPARAMS, **CASES[case], num_text_tokens=int(text_vocab), attn_types=("full",), reversible=False, stable=False,
                    rotary_emb=False, ff_dropout=0.0, attn_dropout=0.0)  # fmt: skip
     hparams.setdefault("shift_tokens", False)
     dalle = DALLE(vae=vae, **hparams)
@@ -69,8 +71,10 @@ def main(reference_dir: str, out: str, case: str) -> None:
     torch.save(dalle_obj, os.path.join(out, "dalle.pt"))
 
     g = torch.Generator().manual_seed(1)
-    images = torch.rand(3, 3, 32, 32, generator=g)
-    text = torch.randint(1, DALLE_HPARAMS["num_text_tokens"], (3, DALLE_HPARAMS["text_seq_len"]), generator=g)
+    # one colour per 4x4 block, the area each token sees: codes vary with the blocks instead of collapsing
+    blocks = torch.rand(3, 3, 8, 8, generator=g)
+    images = torch.nn.functional.interpolate(blocks, scale_factor=4, mode="nearest")
+    text = torch.randint(1, int(text_vocab), (3, DALLE_HPARAMS["text_seq_len"]), generator=g)
     text[0, 5:] = 0  # padding, which the predecessor gives a token per position
     text[1, :] = 0
     vae.eval()
@@ -84,4 +88,4 @@ def main(reference_dir: str, out: str, case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

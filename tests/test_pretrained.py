@@ -405,7 +405,7 @@ def test_train_and_generate_with_openai_dvae(tmp_path):
     "flags, message",
     [
         (["--vae_path", "vae.pt", "--openai_vae_path", "dir"], "--vae_path and --openai_vae_path each choose"),
-        (["--taming"], "--taming needs --vqgan_model_path"),
+        (["--taming", "--vqgan_model_path", "m.ckpt"], "--taming needs --vqgan_model_path"),
         (["--vqgan_model_path", "m.ckpt"], "add --taming"),
         (["--vae_path", "vae.pt", "--pretrained_image_size", "64"], "--pretrained_image_size is for"),
         ([], "--vae_path is required"),

@@ -73,7 +73,10 @@ def build_text_tokenizer(
 ) -> Tokenizer:
     """The tokenizer the flags choose (`bpe_path`, `hug`, `tokenizer`, `bpe_vocab_size`, as train_dalle.py parses
     them or config.json records them). The default BPE lives in the run directory: with `dataset` it is trained
-    on its captions (a resumed run keeps the vocabulary it has); without, the run's is read."""
+    on its captions (a resumed run keeps the vocabulary it has); without, the run's is read. The predecessor's
+    tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
+    if flags["tokenizer"] in ("clip", "chinese"):
+        return _pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
     if flags["bpe_path"]:
         return (HugTokenizer if flags["hug"] else YttmTokenizer).from_file(flags["bpe_path"])
     if flags["tokenizer"] == "byte":
@@ -88,3 +91,17 @@ def build_text_tokenizer(
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing: the run's BPE is written there when training starts")
     return YttmTokenizer.from_file(path)
+
+
+def _pretrained_text_tokenizer(kind: str, path: str, hug: bool) -> Tokenizer:
+    if hug:
+        raise ValueError(
+            f"--hug reads --bpe_path as a tokenizer of its own, --tokenizer {kind} as {kind}'s vocabulary: drop --hug"
+        )
+    if kind == "clip":
+        from .clip_bpe import ClipTokenizer
+
+        return ClipTokenizer.from_file(path)  # the bundled vocabulary without --bpe_path
+    from .chinese import ChineseTokenizer
+
+    return ChineseTokenizer.from_file(path)  # --bpe_path, or the cn-clip package's copy

@@ -1,4 +1,5 @@
-"""Text tokenizers behind one interface: a plain byte tokenizer, YouTokenToMe BPE, Hugging Face JSON.
+"""Text tokenizers behind one interface: a plain byte tokenizer, YouTokenToMe BPE, Hugging Face JSON, and the
+predecessor's two (OpenAI CLIP's BPE in clip_bpe.py, bert-base-chinese's WordPiece in chinese.py).
 
 Id 0 is padding in every tokenizer. A tokenizer serializes to a small dict of strings that goes into the
 run directory and the DALLE export, so generation always uses the tokenizer training used.
@@ -78,14 +79,16 @@ class ByteTokenizer(Tokenizer):
 
 
 class YttmTokenizer(Tokenizer):
-    """Byte-level BPE from YouTokenToMe (pad 0, unk 1, bos 2, eos 3)."""
+    """Byte-level BPE from YouTokenToMe (pad 0, unk 1, bos 2, eos 3). Text is lowercased (the run's own BPE is
+    trained on lowercased captions) unless `lowercase` is off, as for a converted predecessor model."""
 
     kind = "yttm"
 
-    def __init__(self, model_text: str):
+    def __init__(self, model_text: str, lowercase: bool = True):
         import youtokentome as yttm
 
         self.model_text = model_text
+        self.lowercase = lowercase
         with tempfile.NamedTemporaryFile("w", suffix=".yttm", delete=False) as f:
             f.write(model_text)
         try:
@@ -120,24 +123,26 @@ class YttmTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         import youtokentome as yttm
 
-        return self.bpe.encode([text.lower()], output_type=yttm.OutputType.ID)[0]
+        return self.bpe.encode([text.lower() if self.lowercase else text], output_type=yttm.OutputType.ID)[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.bpe.decode([[i for i in ids if i != PAD]], ignore_ids=[PAD])[0]
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "data": self.model_text}
+        return {"kind": self.kind, "data": self.model_text, **({} if self.lowercase else {"lowercase": False})}
 
 
 class HugTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` JSON file; ids are shifted by one so that 0 stays padding."""
+    """A Hugging Face `tokenizers` JSON file; ids are shifted by `offset` (1) so that 0 stays padding. A converted
+    predecessor model has offset 0: it used the file's ids as they are (and 0 as padding too)."""
 
     kind = "hug"
 
-    def __init__(self, json_text: str):
+    def __init__(self, json_text: str, offset: int = 1):
         from tokenizers import Tokenizer as HFTokenizer
 
         self.json_text = json_text
+        self.offset = offset
         self.tok = HFTokenizer.from_str(json_text)
 
     @classmethod
@@ -149,20 +154,39 @@ class HugTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self.tok.get_vocab_size() + 1
+        return self.tok.get_vocab_size() + self.offset
 
     def encode(self, text: str) -> list[int]:
-        return [i + 1 for i in self.tok.encode(text).ids]
+        return [i + self.offset for i in self.tok.encode(text).ids]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode([i - 1 for i in ids if i > 0])
+        return self.tok.decode([i - self.offset for i in ids if i > 0])
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "data": self.json_text}
+        return {"kind": self.kind, "data": self.json_text, **({} if self.offset == 1 else {"offset": self.offset})}
+
+
+def _clip(data: str) -> Tokenizer:
+    from .clip_bpe import ClipTokenizer  # imported here: clip_bpe.py and chinese.py subclass Tokenizer
+
+    return ClipTokenizer(data)
+
+
+def _chinese(data: str) -> Tokenizer:
+    from .chinese import ChineseTokenizer
+
+    return ChineseTokenizer(data)
 
 
 def tokenizer_from_dict(d: dict) -> Tokenizer:
-    kinds = {"byte": lambda _: ByteTokenizer(), "yttm": YttmTokenizer, "hug": HugTokenizer}
+    kinds = {
+        "byte": lambda _: ByteTokenizer(),
+        "yttm": YttmTokenizer,
+        "hug": HugTokenizer,
+        "clip": _clip,
+        "chinese": _chinese,
+    }
     if d.get("kind") not in kinds:
         raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted(kinds)}")
-    return kinds[d["kind"]](d["data"])
+    options = {k: v for k, v in d.items() if k in ("lowercase", "offset")}  # a converted predecessor's variants
+    return kinds[d["kind"]](d["data"], **options)

@@ -154,6 +154,18 @@ class DALLE(nn.Module):
         out[:, t:, i:] = self.image_head(h[:, t:])
         return out
 
+    def text_logits(self, text: torch.Tensor) -> torch.Tensor:
+        """(b, text_seq_len, num_text_tokens): at position p the logits of text token p given tokens < p (the
+        caption half alone; causal attention, so the tokens after p do not matter)."""
+        self._check(text, None)
+        return self.text_head(self._hidden(text, None)[:, : self.cfg.text_seq_len]).float()
+
+    def is_padding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which text ids mean padding: 0, and with the reference layout the padding id of every position."""
+        c = self.cfg
+        pad = ids == 0
+        return pad | (ids >= c.num_text_tokens - c.text_seq_len) if c.reference_layout else pad
+
     # ------------------------------------------------------------------------------------------ training
     def forward(self, text: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The training loss (weighted text + image cross-entropy) and metrics; `forward` so wrappers see it."""

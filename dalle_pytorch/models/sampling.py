@@ -97,6 +97,34 @@ def generate_image_tokens(
     return image[:b]
 
 
+@torch.no_grad()
+def generate_text_tokens(
+    model,
+    prefix: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue captions from the model's text half: prefix (b, text_seq_len) ids, padded with 0 after the
+    given tokens (all padding: invent one) -> (b, text_seq_len). A row ends at the first padding token it
+    samples (0, or any padding id of the reference layout), which becomes 0; the rest of that row stays 0.
+    A full forward per token: captions are short next to the image."""
+    cfg = model.cfg
+    text = prefix.clone()
+    given = (~model.is_padding(text)).long().cumprod(dim=1).sum(dim=1)  # leading non-padding tokens per row
+    done = torch.zeros(text.shape[0], dtype=torch.bool, device=text.device)
+    for p in range(int(given.min()), cfg.text_seq_len):
+        logits = model.text_logits(text)[:, p]  # (b, num_text_tokens)
+        noise = torch.rand(logits.shape, device=text.device, generator=generator)
+        token = pick_token(logits, noise, temperature, top_k, top_p, 1.0)
+        fill = (p >= given) & ~done
+        done |= fill & model.is_padding(token)
+        text[:, p] = torch.where(fill & ~done, token, text[:, p])
+    return text
+
+
 def _next_logits_uncached(model, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
     """Logits for image token k given tokens (b, k) so far, from a full forward over the prefix. logits()
     never feeds its last image token in, so a placeholder there puts every given token in the input."""

@@ -72,7 +72,8 @@ class DALLETask:
         tokens = generate_image_tokens(model, text.to(device), generator=g)
         if path is None:
             return
-        save_image(self.vae.decode(tokens)[:, :3].cpu(), path, nrow=len(self.sample_captions), padding=1)
+        # all channels: a 4-channel (RGBA) VAE's grid keeps its alpha
+        save_image(self.vae.decode(tokens).cpu(), path, nrow=len(self.sample_captions), padding=1)
         with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
             f.write("\n".join(self.sample_captions) + "\n")
 

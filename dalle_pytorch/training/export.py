@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 
 from ..data.tokenizer import tokenizer_from_dict
-from ..files import atomic_save, safe_load
+from ..files import atomic_save, fingerprint, safe_load
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
+from .reference import dalle_parts, is_reference, reference_text_tokenizer, vae_parts
 
 EXPORT_FORMAT_VERSION = 1
 
@@ -24,8 +25,16 @@ def save_export(path: str, kind: str, config: dict, weights: dict, **extra) -> N
     )
 
 
-def load_export(path: str, kind: str) -> dict:
+def load_export(path: str, kind: str, reference: dict | None = None) -> dict:
+    """The export at `path`, or a checkpoint of lucidrains' dalle-pytorch 1.6 converted in memory; `reference`:
+    the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese, vqgan_config_path)."""
     obj = safe_load(path)
+    if is_reference(obj) and kind in ("vae", "dalle"):
+        print(
+            f"{path}: a dalle-pytorch 1.6 {kind} checkpoint, converted on the fly "
+            f"(`python -m dalle_pytorch.convert --from_reference {path} --out NEW.pt` converts it once)"
+        )
+        return from_reference(obj, path, kind, **(reference or {}))
     if not isinstance(obj, dict) or "format_version" not in obj or "kind" not in obj:
         raise ValueError(
             f"{path} is not an export of this project (no format_version): pass the vae.pt / dalle.pt that "
@@ -39,6 +48,31 @@ def load_export(path: str, kind: str) -> dict:
             f"{EXPORT_FORMAT_VERSION}: update the code"
         )
     return obj
+
+
+def from_reference(
+    obj: dict, path: str, kind: str, bpe_path: str = "", hug: bool = False, chinese: bool = False,
+    vqgan_config_path: str = "", files_dir: str = "",
+) -> dict:  # fmt: skip
+    """Our export (as load_export returns it) from a checkpoint the predecessor wrote. A pretrained image
+    tokenizer inside its DALLE is written as state dicts to `files_dir` (default: a cache folder per file)."""
+    if "vae_params" not in obj:  # its train_vae.py's vae.pt
+        if kind != "vae":
+            raise ValueError(f"{path} is a dalle-pytorch VAE checkpoint, expected a DALLE: pass it as --vae_path")
+        config, weights = vae_parts(obj, path)
+        return {"format_version": EXPORT_FORMAT_VERSION, "kind": "vae", "config": config, "weights": weights}
+    if kind != "dalle":
+        raise ValueError(f"{path} is a dalle-pytorch DALLE checkpoint, expected a {kind}")
+    if not files_dir:
+        files_dir = os.path.join(cache_dir(), "converted", fingerprint({}, obj["weights"]))
+    text_tokenizer = reference_text_tokenizer(bpe_path, hug, chinese)
+    parts = dalle_parts(obj, path, text_tokenizer, files_dir, vqgan_config_path)
+    return {"format_version": EXPORT_FORMAT_VERSION, "kind": "dalle", **parts}
+
+
+def cache_dir() -> str:
+    """Where downloaded and converted files live: $DALLE_CACHE, else ~/.cache/dalle-pytorch (as make install)."""
+    return os.environ.get("DALLE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dalle-pytorch")
 
 
 def vae_from_export(obj: dict) -> DiscreteVAE:
@@ -56,21 +90,33 @@ def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
     return vae_from_export(obj).to(map_location), obj
 
 
-def load_dalle(path: str, device="cpu", vqgan_model_path: str = "", openai_vae_path: str = ""):
+def load_dalle(
+    path: str, device="cpu", vqgan_model_path: str = "", openai_vae_path: str = "", reference: dict | None = None
+):
     """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`. A pretrained image tokenizer is
-    read again from the files the export records, or from the given paths if they moved."""
-    obj = load_export(path, "dalle")
+    read again from the files the export records, or from the given paths if they moved. `reference`: how to
+    read a predecessor's checkpoint (load_export)."""
+    obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, reference)
     dalle = DALLE(DALLEConfig(**obj["config"]))
     dalle.load_state_dict(obj["weights"])
+    return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
+
+
+def read_dalle(path: str, vqgan_model_path: str = "", openai_vae_path: str = "", reference: dict | None = None):
+    """(export, frozen image tokenizer) of a DALLE export: our VAE from the export, a pretrained one from the
+    files it records (or the given paths)."""
+    obj = load_export(path, "dalle", reference)
     if obj["vae"]["kind"] == "vae":  # our own VAE, stored in the export
         if vqgan_model_path or openai_vae_path:
             raise ValueError(f"{path} holds its own VAE: --vqgan_model_path and --openai_vae_path do not apply")
-        vae = vae_from_export(obj["vae"])
-    else:
-        from ..models.pretrained import tokenizer_from_record
+        return obj, vae_from_export(obj["vae"])
+    from ..models.pretrained import tokenizer_from_record
+    from .downloads import refetch_downloaded
 
-        vae = tokenizer_from_record(obj["vae"], vqgan_model_path, openai_vae_path)
-    return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
+    if not (vqgan_model_path or openai_vae_path):  # a downloaded default gone from this machine: fetch it again
+        found = refetch_downloaded(obj["vae"])
+        vqgan_model_path, openai_vae_path = found.get("vqgan_model_path", ""), found.get("openai_vae_path", "")
+    return obj, tokenizer_from_record(obj["vae"], vqgan_model_path, openai_vae_path)
 
 
 def load_clip(path: str, device="cpu"):

@@ -57,7 +57,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step, save, exit
         parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop)
         pos = recovery.run(lambda p: run_steps(parts, p), pos)
-    write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step)
+    write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     return pos
 
 
@@ -114,10 +114,10 @@ def run_steps(parts: Parts, pos: Position) -> Position:
                     f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
                 )
         if cfg.sample_every and pos.step % cfg.sample_every == 0:
-            write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step)
+            write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
         if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
             save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
-            export(task, model, backend)
+            export(task, model, backend, run)
         if stopping:
             run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
             break
@@ -161,18 +161,21 @@ def resume(resume_flag: str, backend, run: RunDir) -> Position:
     return Position()
 
 
-def write_samples(task: Task, model, backend, path: str, step: int) -> None:
+def write_samples(task: Task, model, backend, path: str, step: int, run) -> None:
     """Every rank generates (sharded parameters need every rank to gather); rank 0 writes."""
     with backend.full_params(model) as module:
         module.eval()
         task.write_samples(module, step, path if backend.is_main else None)
         module.train()
+    if backend.is_main and os.path.exists(path):
+        run.log_image(step, "samples", path)
 
 
-def export(task: Task, model, backend) -> None:
+def export(task: Task, model, backend, run) -> None:
     weights = backend.full_state_dict(model)  # collective: gathers shards on every rank
     if backend.is_main:
         task.export(weights)
+        run.log_artifact(task.export_path)
     backend.barrier()
 
 

@@ -9,10 +9,12 @@ heads; its padding tokens, one per text position, and its token shift are our `r
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 
+from ..files import atomic_save
 from ..models.dalle import DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
 
@@ -184,3 +186,78 @@ def image_tokenizer_weights(obj: dict) -> tuple[str, dict[str, torch.Tensor]]:
     if name == "VQGanVAE" or any(k.startswith("vae.model.") for k in weights):
         return "vqgan", _prefixed(weights, "vae.model.")
     raise ValueError(f"unknown image tokenizer {name!r} in a dalle-pytorch checkpoint")
+
+
+# ------------------------------------------------------------------------------------------ whole files
+
+
+def vae_parts(obj: dict, what: str) -> tuple[dict, dict]:
+    """(config dict, weights) of our VAE export from the predecessor's vae.pt."""
+    cfg, weights = reference_vae(obj["hparams"], obj["weights"], what)
+    return cfg.to_dict(), weights
+
+
+def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_config_path: str = "") -> dict:
+    """Our DALLE export's fields (config, weights, vae, tokenizer) from the predecessor's dalle.pt.
+
+    Its image tokenizer is in its `vae.*` tensors: its own DiscreteVAE becomes our VAE export inside the
+    DALLE export; OpenAI's dVAE or a VQGAN is written to `files_dir` as state dicts (encoder.pt + decoder.pt,
+    or vqgan.pt) and recorded like any pretrained tokenizer (a VQGAN also needs its config)."""
+    from ..models.pretrained import load_openai, load_vqgan
+
+    hparams = obj["hparams"]
+    vocab = int(hparams.get("num_text_tokens", 10000))
+    if text_tokenizer.vocab_size != vocab:
+        raise ValueError(
+            f"{what} was trained with a text vocabulary of {vocab} tokens; the tokenizer given has "
+            f"{text_tokenizer.vocab_size}: pass the one it was trained with (--bpe_path FILE [--hug], or --chinese; "
+            "the default is the CLIP BPE, 49408 tokens)"
+        )
+    kind, weights = image_tokenizer_weights(obj)
+    os.makedirs(files_dir, exist_ok=True)
+    if kind == "vae":
+        vae_cfg, vae_weights = reference_vae(obj["vae_params"], weights, what)
+        vae = {"format_version": 1, "kind": "vae", "config": vae_cfg.to_dict(), "weights": vae_weights}
+        num_tokens, fmap = vae_cfg.num_tokens, vae_cfg.fmap_size
+    elif kind == "openai":
+        for part in ("enc", "dec"):
+            name = "encoder.pt" if part == "enc" else "decoder.pt"
+            atomic_save(_prefixed(weights, f"{part}."), os.path.join(files_dir, name))
+        tokenizer, vae = load_openai(files_dir)
+        num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
+    else:
+        if not vqgan_config_path:
+            raise ValueError(f"{what} was trained on a VQGAN: pass its config with --vqgan_config_path (model.yaml)")
+        model_path = os.path.join(files_dir, "vqgan.pt")
+        atomic_save(weights, model_path)
+        tokenizer, vae = load_vqgan(model_path, vqgan_config_path)
+        num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
+    cfg = reference_dalle_config(hparams, num_tokens, fmap, what)
+    return {
+        "config": cfg.to_dict(),
+        "weights": reference_dalle_weights(cfg, obj["weights"], what),
+        "vae": vae,
+        "tokenizer": text_tokenizer.to_dict(),
+    }
+
+
+def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: bool = False):
+    """The text tokenizer the predecessor's flags chose, with its ids: --bpe_path (YouTokenToMe, not
+    lowercased; or a tokenizers JSON with --hug, ids not shifted), --chinese, or by default the CLIP BPE."""
+    from ..data.tokenizer import tokenizer_from_dict
+
+    if bpe_path:
+        if not os.path.exists(bpe_path):
+            raise FileNotFoundError(f"--bpe_path {bpe_path} does not exist")
+        with open(bpe_path) as f:
+            data = f.read()
+        # the predecessor neither lowercased captions for YouTokenToMe nor kept id 0 free in a tokenizers JSON
+        return tokenizer_from_dict({"kind": "hug", "data": data, "offset": 0} if hug else
+                                   {"kind": "yttm", "data": data, "lowercase": False})  # fmt: skip
+    if chinese:
+        from ..data.chinese import ChineseTokenizer
+
+        return ChineseTokenizer.from_file("")
+    from ..data.clip_bpe import ClipTokenizer
+
+    return ClipTokenizer.from_file("")

@@ -16,12 +16,14 @@ import torch
 
 
 class RunDir:
-    def __init__(self, path: str, is_main: bool, tensorboard: bool = True, wandb_project: str | None = None):
+    def __init__(
+        self, path: str, is_main: bool, tensorboard: bool = True, wandb_project: str | None = None, wandb_entity=""
+    ):
         self.path = path
         self.is_main = False
         self.samples = os.path.join(path, "samples")
         self.checkpoints = os.path.join(path, "checkpoints")
-        self._tensorboard, self._wandb_project = tensorboard, wandb_project
+        self._tensorboard, self._wandb_project, self._wandb_entity = tensorboard, wandb_project, wandb_entity or None
         self._tb = None
         self._log = None
         self._wandb = None
@@ -44,7 +46,9 @@ class RunDir:
             except ImportError:
                 raise ImportError("--wandb needs the wandb package: pip install wandb (or drop --wandb)") from None
             os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed; `wandb sync` later
-            self._wandb = wandb.init(project=self._wandb_project, name=os.path.basename(self.path), dir=self.path)
+            self._wandb = wandb.init(
+                project=self._wandb_project, entity=self._wandb_entity, name=os.path.basename(self.path), dir=self.path
+            )
         if self._tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -86,6 +90,22 @@ class RunDir:
             for k, v in row.items():
                 if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+
+    def log_image(self, step: int, key: str, path: str) -> None:
+        """A sample grid written to `path`, also to Weights & Biases when it is on."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Image(path)}, step=step)
+
+    def log_artifact(self, path: str) -> None:
+        """The export, as a Weights & Biases model artifact named after the run, when it is on."""
+        if self._wandb is not None:
+            import wandb
+
+            artifact = wandb.Artifact(f"{os.path.basename(self.path)}-export", type="model")
+            artifact.add_file(path)
+            self._wandb.log_artifact(artifact)
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -34,6 +34,7 @@ def distributed_run(cfg, default_name: str, configs: dict, backend_options: dict
         backend.is_main,
         cfg.tensorboard,
         cfg.wandb_project if cfg.wandb else None,
+        cfg.wandb_entity,
     )
     try:
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}

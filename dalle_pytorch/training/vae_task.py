@@ -61,7 +61,7 @@ class VAETask:
         images = self._fixed.to(next(model.parameters()).device)
         grid = torch.cat([images, model.reconstruct(images), model.reconstruct_soft(images, self._last_tau)])
         if path is not None:
-            save_image(grid[:, :3].float().cpu(), path, nrow=len(images), padding=1)
+            save_image(grid.float().cpu(), path, nrow=len(images), padding=1)  # RGBA keeps its alpha
 
     def activation_bytes(self, batch_size: int) -> float:
         return 0.0  # convolutional and small: the parameters decide the ZeRO stage

@@ -1,0 +1,207 @@
+"""The command lines of lucidrains' DALLE-pytorch 1.6 (its train_vae.py, train_dalle.py, generate.py), accepted
+as they are. A flag whose meaning we have under another name maps to it; one whose meaning differs is
+converted and says how; each prints one line naming what it became, so a user learns the new spelling.
+
+Flags with the same name and meaning there and here (--dim, --depth, --vae_path, --image_text_folder,
+--attn_types full,axial_row, ...) need nothing. `rewrite_argv` first turns the two spellings argparse cannot
+read as ours into forms it can: a bare `--lr_decay` (an on/off switch there, a schedule name here) and
+backend names in their capitalization (`--distr_backend DeepSpeed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from distributed import topology_from_env
+
+# name -> (script that had it, takes a value, help); the value's type is converted below
+_TRAIN_DALLE = {
+    "dalle_output_file_name": (True, "the predecessor's output name without .pt -> --dalle_output NAME.pt"),
+    "random_resize_crop_lower_ratio": (True, "-> --resize_ratio"),
+    "truncate_captions": (False, "captions are always truncated here (and counted)"),
+    "chinese": (False, "-> --tokenizer chinese"),
+    "stable_softmax": (False, "-> --stable"),
+    "reversible": (False, "-> --checkpoint_activations (the same memory saving, by recomputation)"),
+    "shared_attn_ids": (True, "refused: layers do not share weights here"),
+    "shared_ff_ids": (True, "refused: layers do not share weights here"),
+    "predecessor_lr_decay": (False, "a bare --lr_decay (ReduceLROnPlateau there) -> --lr_decay cosine"),
+}
+_TRAIN_VAE = {
+    "emb_dim": (True, "-> --codebook_dim"),
+    "kl_loss_weight": (True, "-> --kl_div_loss_weight x the token grid's positions (a sum there, a mean here)"),
+    "transparent": (False, "-> --channels 4"),
+    "lr_decay_rate": (True, "x rate every 100 steps there -> --lr_decay exponential"),
+    "anneal_rate": (True, "-> --anneal_steps where the predecessor's temperature reached --temp_min"),
+    "num_images_save": (True, "ignored: the sample grids show a fixed number of images"),
+}
+_TRAINING = {  # both trainers
+    "fp16": (False, "-> --precision fp16"),
+    "amp": (False, "apex AMP O1 there -> --precision fp16 (autocast with dynamic loss scaling)"),
+    "ga_steps": (True, "-> --global_batch_size (accumulation on every backend)"),
+    "deepspeed": (False, "-> --distributed_backend deepspeed; --batch_size is then the global batch"),
+    "deepscale": (False, "-> --distributed_backend deepspeed"),
+    "deepspeed_mpi": (False, "ignored: the launcher's environment is read directly"),
+    "distr_backend": (True, "-> --distributed_backend"),
+    "wandb_name": (True, "-> --wandb --wandb_project"),
+    "flops_profiler": (False, "ignored: `python bench/train.py` measures throughput"),
+}
+FLAGS = {"train_dalle": {**_TRAIN_DALLE, **_TRAINING}, "train_vae": {**_TRAIN_VAE, **_TRAINING}}
+_BACKEND_NAMES = {"dummy": "single", "deepspeed": "deepspeed", "horovod": "horovod"}
+
+
+def rewrite_argv(argv: list[str], lr_decay_choices=()) -> list[str]:
+    out = []
+    for i, arg in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--lr_decay" and lr_decay_choices and nxt not in lr_decay_choices:
+            out.append("--predecessor_lr_decay")
+        elif i and argv[i - 1] in ("--distributed_backend", "--distr_backend"):
+            out.append(_BACKEND_NAMES.get(arg.lower(), arg.lower()))
+        elif arg.startswith(("--distributed_backend=", "--distr_backend=")):
+            name, value = arg.split("=", 1)
+            out.append(f"{name}={_BACKEND_NAMES.get(value.lower(), value.lower())}")
+        else:
+            out.append(arg)
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser, script: str) -> None:
+    group = parser.add_argument_group("lucidrains/DALLE-pytorch 1.6 flags (mapped to the ones above, said on start)")
+    for name, (takes_value, text) in FLAGS[script].items():
+        if name == "predecessor_lr_decay":
+            group.add_argument(f"--{name}", action="store_true", default=None, help=argparse.SUPPRESS)
+        elif takes_value:
+            group.add_argument(f"--{name}", default=None, help=text)
+        else:
+            group.add_argument(f"--{name}", action="store_true", default=None, help=text)
+
+
+def apply(ns: argparse.Namespace, script: str, say=print) -> None:
+    """Turn the predecessor's flags present in `ns` into ours (in place), saying one line for each."""
+    given = {name: getattr(ns, name) for name in FLAGS[script] if getattr(ns, name, None) is not None}
+    for name in FLAGS[script]:
+        if hasattr(ns, name):
+            delattr(ns, name)
+
+    def set_(flag: str, value, note: str = "") -> None:
+        setattr(ns, flag, value)
+        shown = "" if value is True else f" {value}"
+        say(f"predecessor flag --{name}: --{flag}{shown}" + (f" ({note})" if note else ""))
+
+    for name, value in given.items():
+        if name == "dalle_output_file_name":
+            set_("dalle_output", f"{value}.pt")
+        elif name == "random_resize_crop_lower_ratio":
+            set_("resize_ratio", float(value))
+        elif name == "truncate_captions":
+            say("predecessor flag --truncate_captions: always so here (truncated captions are counted in the log)")
+        elif name == "chinese":
+            set_("tokenizer", "chinese")
+        elif name == "stable_softmax":
+            set_("stable", True, "LayerScale and max-normalized logits; the softmax is always computed stably")
+        elif name == "reversible":
+            set_("checkpoint_activations", True, "reversible layers are another network; this saves the same memory")
+        elif name in ("shared_attn_ids", "shared_ff_ids"):
+            raise ValueError(f"--{name}: layers cannot share weights here; drop it (each layer has its own)")
+        elif name == "predecessor_lr_decay":
+            set_("lr_decay", "cosine", "ReduceLROnPlateau there, which no step schedule reproduces: approximated")
+        elif name == "emb_dim":
+            set_("codebook_dim", int(value))
+        elif name == "kl_loss_weight":
+            positions = (ns.image_size >> ns.num_layers) ** 2
+            set_("kl_div_loss_weight", float(value) * positions, f"its KL is summed over the {positions} positions")
+        elif name == "transparent":
+            set_("channels", 4)
+        elif name == "lr_decay_rate":
+            set_("lr_decay", "exponential", f"x{value} every 100 steps there; here to --lr_min_factor at the end")
+        elif name == "anneal_rate":
+            _anneal(ns, float(value), set_)
+        elif name in ("fp16", "amp"):
+            set_("precision", "fp16")
+        elif name in ("deepspeed", "deepscale"):
+            _deepspeed_batch(ns, say)
+            set_("distributed_backend", "deepspeed")
+        elif name == "distr_backend":
+            set_("distributed_backend", value)
+            if value == "deepspeed" and "deepspeed" not in given:
+                _deepspeed_batch(ns, say)
+        elif name == "ga_steps":
+            _accumulate(ns, int(value), "deepspeed" in given or given.get("distr_backend") == "deepspeed", say)
+        elif name == "wandb_name":
+            ns.wandb = True
+            set_("wandb_project", value)
+        else:  # deepspeed_mpi, flops_profiler, num_images_save
+            say(f"predecessor flag --{name}: ignored ({FLAGS[script][name][1].split(': ', 1)[-1]})")
+
+
+def _world_size() -> int:
+    return topology_from_env().world_size
+
+
+def _deepspeed_batch(ns, say) -> None:
+    """Under --deepspeed its --batch_size was DeepSpeed's train_batch_size: the batch over all processes."""
+    if getattr(ns, "_global_batch_set", False):
+        return
+    world = _world_size()
+    if ns.batch_size % world:
+        raise ValueError(f"--batch_size {ns.batch_size} (the global batch under --deepspeed) must divide by {world}")
+    ns.global_batch_size, ns.batch_size = ns.batch_size, ns.batch_size // world
+    ns._global_batch_set = True
+    say(
+        f"predecessor flag --deepspeed: --batch_size was the global batch there: --global_batch_size "
+        f"{ns.global_batch_size} --batch_size {ns.batch_size} (per process, {world} processes)"
+    )
+
+
+def _accumulate(ns, steps: int, deepspeed: bool, say) -> None:
+    world = _world_size()
+    if deepspeed:  # train_batch_size = micro batch x processes x steps
+        global_batch = ns.batch_size if not getattr(ns, "_global_batch_set", False) else ns.global_batch_size
+        if global_batch % (world * steps):
+            raise ValueError(f"--batch_size {global_batch} must divide by processes x --ga_steps = {world * steps}")
+        ns.batch_size, ns.global_batch_size = global_batch // (world * steps), global_batch
+        ns._global_batch_set = True
+        note = "DeepSpeed's train_batch_size there"
+    else:
+        ns.global_batch_size = ns.batch_size * world * steps
+        note = "it applied only under DeepSpeed there"
+    say(
+        f"predecessor flag --ga_steps {steps}: --global_batch_size {ns.global_batch_size} --batch_size "
+        f"{ns.batch_size} ({note})"
+    )
+
+
+def _anneal(ns, rate: float, set_) -> None:
+    """The predecessor multiplied the temperature by exp(-rate x step) at every 100th step (k-th: step 100k),
+    so after k updates it is start x exp(-50 rate k (k+1)): the floor is reached at the first k where that
+    passes --temp_min. Here the same start and floor at the same step, annealed exponentially in between."""
+    start, end = ns.starting_temp, ns.temp_min
+    if rate <= 0 or end >= start:
+        set_("anneal_steps", 1, "the temperature starts at its floor")
+        return
+    k = math.ceil((math.sqrt(1 + 4 * math.log(start / end) / (50 * rate)) - 1) / 2)
+    ns.temp_schedule = "exponential"
+    set_("anneal_steps", 100 * k, f"--temp_schedule exponential: reaches --temp_min {end} at step {100 * k} as there")
+
+
+# ---------------------------------------------------------------------------------------------- generate.py
+
+
+def top_k_arg(value: str):
+    """--top_k: a count here (16), the predecessor's filter threshold there (0.9: drop the least likely 90%)."""
+    number = float(value)
+    return int(number) if number.is_integer() and number >= 1 or number == 0 else number
+
+
+def top_k_count(top_k, num_text_tokens: int, num_image_tokens: int, say=print) -> int:
+    """Our --top_k (0: off) for the given one; the predecessor's threshold t kept max(int((1 - t) x n), 1) of all
+    n = text + image logits (its text positions masked), so at most the image vocabulary survives."""
+    if isinstance(top_k, int):
+        return top_k
+    if not 0 < top_k < 1:
+        raise ValueError(f"--top_k is a count of tokens, or the predecessor's threshold in (0, 1) (got {top_k})")
+    k = min(max(int((1 - top_k) * (num_text_tokens + num_image_tokens)), 1), num_image_tokens)
+    kept = 0 if k == num_image_tokens else k
+    say(f"predecessor flag --top_k {top_k}: a threshold there: --top_k {kept} (of {num_image_tokens} image tokens)")
+    return kept

@@ -1,0 +1,104 @@
+"""Files of lucidrains' dalle-pytorch 1.6.6 become our exports with the same VAE codes and DALLE logits.
+
+The reference side is the real package, run in its own process by tests/reference_run.py when `make install`
+has put it in ~/.cache/dalle-pytorch/reference; without it, the same script's output checked in under
+tests/fixtures/reference (written by `python -I tests/reference_run.py DIR tests/fixtures/reference/CASE CASE 60`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dalle_pytorch import convert
+from dalle_pytorch.training.export import load_dalle, load_export, vae_from_export
+from dalle_pytorch.training.reference import reference_dalle_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, "fixtures", "reference")
+BPE = os.path.join(FIXTURES, "bpe.yttm")  # the YouTokenToMe model both sides use (60 tokens)
+CACHE = os.environ.get("DALLE_CACHE") or os.path.expanduser("~/.cache/dalle-pytorch")
+REFERENCE_DIR = os.path.join(CACHE, "reference", "dalle-pytorch-1.6.6")
+LIVE = os.path.exists(os.path.join(REFERENCE_DIR, "dalle_pytorch", "dalle_pytorch.py"))
+CASES = ("plain", "shift_sandwich", "shared")
+
+
+@pytest.fixture(scope="module", params=CASES)
+def reference(request, tmp_path_factory):
+    """A folder with the predecessor's vae.pt, dalle.pt and expected.pt (inputs, codes, logits)."""
+    case = request.param
+    if not LIVE:
+        return os.path.join(FIXTURES, case)
+    out = str(tmp_path_factory.mktemp(case))
+    script = os.path.join(HERE, "reference_run.py")
+    subprocess.run([sys.executable, "-I", script, REFERENCE_DIR, out, case, "60"], check=True)
+    return out
+
+
+def _expected(folder):
+    return torch.load(os.path.join(folder, "expected.pt"), weights_only=True)
+
+
+def _check_logits(dalle, expected):
+    with torch.no_grad():
+        ours = dalle.logits(expected["text"], expected["codes"])
+    theirs = expected["logits"]
+    allowed = torch.isfinite(ours)
+    assert torch.equal(allowed, theirs > -1e30), "text and image positions predict different vocabularies"
+    torch.testing.assert_close(ours[allowed], theirs[allowed], rtol=0, atol=1e-5)
+
+
+def test_vae_gives_the_same_codes(reference, tmp_path):
+    out = str(tmp_path / "vae.pt")
+    convert.main(["--from_reference", os.path.join(reference, "vae.pt"), "--out", out])
+    vae = vae_from_export(load_export(out, "vae"))
+    expected = _expected(reference)
+    codes = vae.get_codebook_indices(expected["images"])
+    assert torch.equal(codes, expected["codes"])
+    assert len(codes.unique()) >= 8  # varied codes, so equality says something
+
+
+def test_dalle_gives_the_same_logits(reference, tmp_path):
+    out = str(tmp_path / "dalle.pt")
+    convert.main(["--from_reference", os.path.join(reference, "dalle.pt"), "--out", out, "--bpe_path", BPE])
+    dalle, vae, tokenizer = load_dalle(out)
+    expected = _expected(reference)
+    assert torch.equal(vae.get_codebook_indices(expected["images"]), expected["codes"])
+    _check_logits(dalle, expected)
+    # the predecessor fed YouTokenToMe ids as they came, without lowercasing
+    assert tokenizer.encode("A Cat") != tokenizer.encode("a cat")
+
+
+def test_a_predecessor_file_loads_directly(reference):
+    dalle, _, _ = load_dalle(os.path.join(reference, "dalle.pt"), reference={"bpe_path": BPE})
+    _check_logits(dalle, _expected(reference))
+
+
+def test_a_tokenizer_of_another_size_is_refused(reference, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        convert.main(["--from_reference", os.path.join(reference, "dalle.pt"), "--out", str(tmp_path / "x.pt")])
+    assert "text vocabulary of 60 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("reversible", True), ("rotary_emb", True), ("stable", True), ("attn_types", ("full", "axial_row"))],
+)
+def test_options_without_an_equivalent_are_refused_by_name(option, value):
+    hparams = dict(dim=32, depth=2, text_seq_len=8, num_text_tokens=60, **{option: value})
+    with pytest.raises(ValueError, match=f"option {option}"):
+        reference_dalle_config(hparams, 64, 8, "old.pt")
+
+
+def test_generate_reads_a_predecessor_file(reference, tmp_path):
+    import generate
+
+    folders = generate.main(
+        ["--dalle_path", os.path.join(reference, "dalle.pt"), "--bpe_path", BPE, "--text", "a red circle",
+         "--num_images", "2", "--outputs_dir", str(tmp_path), "--quiet"]
+    )  # fmt: skip
+    assert os.path.exists(os.path.join(folders[0], "0001.png"))
