@@ -54,8 +54,8 @@ def main(reference_dir: str, out: str, case: str, text_vocab: str) -> None:
     vae = DiscreteVAE(**vae_params)
     with torch.no_grad():  # default init gives logits dominated by their bias: a few codes everywhere
         vae.encoder[-1].weight.mul_(20)
-    hparams = dict(DALLE_HPARAMS, **CASES[case], num_text_tokens=int(text_vocab), attn_types=("full",), reversible=False, stable=False,
-                   rotary_emb=False, ff_dropout=0.0, attn_dropout=0.0)  # fmt: skip
+    hparams = dict(DALLE_HPARAMS, **CASES[case], num_text_tokens=int(text_vocab), attn_types=("full",),
+                   reversible=False, stable=False, rotary_emb=False, ff_dropout=0.0, attn_dropout=0.0)  # fmt: skip
     hparams.setdefault("shift_tokens", False)
     dalle = DALLE(vae=vae, **hparams)
     with torch.no_grad():  # LayerScale starts at 0.1 everywhere: vary it so that folding it is tested
