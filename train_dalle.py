@@ -121,14 +121,14 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
         )
         if start is None:
             tokenizer = run_text_tokenizer(flags, cfg, backend, run, pairs)
-        else:
+            model_cfg = dataclasses.replace(
+                model_cfg,
+                num_text_tokens=tokenizer.vocab_size,
+                num_image_tokens=vae.num_tokens,
+                image_fmap_size=vae.fmap_size,
+            )
+        else:  # the export's model, which fits its tokenizers
             tokenizer = tokenizer_from_dict(start["tokenizer"])
-        model_cfg = dataclasses.replace(
-            model_cfg,
-            num_text_tokens=tokenizer.vocab_size,
-            num_image_tokens=vae.num_tokens,
-            image_fmap_size=vae.fmap_size,
-        )
         run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
         if start is not None:

@@ -4,20 +4,13 @@ and the tokenizers loaded through it (a bare --taming, no VAE with a data folder
 
 import dataclasses
 import hashlib
-import io
 import json
 import multiprocessing
 import os
-import re
 import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-import yaml
-from pretrained_refs import VQGAN_DDCONFIG, random_weights, shapes_of
 
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.training import downloads
@@ -26,57 +19,13 @@ from dalle_pytorch.training.downloads import Remote, fetch
 DATA = os.urandom(300_000)  # three blocks of downloads.CHUNK once the tests shrink it
 
 
-class Handler(BaseHTTPRequestHandler):
-    """Serves server.files by name, with `Range: bytes=N-` unless server.ignore_range; logs every GET."""
-
-    timeout = 10  # a client that stops reading cannot hold a handler thread for longer
-
-    def do_GET(self):
-        srv = self.server
-        name, wanted = self.path.lstrip("/"), self.headers.get("Range")
-        srv.log.append((name, wanted))
-        data = srv.files.get(name)
-        if data is None:
-            self.send_error(404)
-            return
-        start = int(re.match(r"bytes=(\d+)-$", wanted).group(1)) if wanted and not srv.ignore_range else 0
-        if start >= len(data) > 0:
-            self.send_error(416)
-            return
-        self.send_response(206 if wanted and not srv.ignore_range else 200)
-        if wanted and not srv.ignore_range:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        self.send_header("Content-Length", str(len(data) - start))
-        self.end_headers()
-        body = data[start:]
-        if srv.cut_at is not None:  # the connection drops: a short body, then EOF
-            body, srv.cut_at = body[: srv.cut_at], None
-        for i in range(0, len(body), 50_000):
-            self.wfile.write(body[i : i + 50_000])
-            srv.sent += len(body[i : i + 50_000])
-            time.sleep(srv.delay)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def server(tmp_path, monkeypatch):
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.files, srv.log, srv.sent, srv.ignore_range, srv.cut_at, srv.delay = {"small.bin": DATA}, [], 0, False, None, 0
-    srv.daemon_threads = True
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    monkeypatch.setenv("DALLE_PYTORCH_URL_BASE", f"http://127.0.0.1:{srv.server_address[1]}")
-    monkeypatch.setenv("DALLE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(downloads, "PREDECESSOR_CACHE", str(tmp_path / "predecessor"))
+@pytest.fixture(autouse=True)
+def small_file(server, monkeypatch):
+    """A 300 kB file named `small` in the registry, served by the local server (conftest.py)."""
+    server.files["small.bin"] = DATA
     monkeypatch.setattr(downloads, "CHUNK", 100_000)
     monkeypatch.setitem(downloads.REGISTRY, "small", Remote("https://example.invalid/small.bin", "small.bin"))
-    srv.path = os.path.join(tmp_path, "cache", "pretrained", "small.bin")
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(timeout=5)
+    server.path = os.path.join(os.environ["DALLE_CACHE"], "pretrained", "small.bin")
 
 
 def sha(data: bytes) -> str:
@@ -221,34 +170,6 @@ def test_concurrent_ranks_download_once(server, capfd):
 
 
 # ---------------------------------------------------------------------------- the tokenizers through it
-
-
-def _bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-@pytest.fixture
-def pretrained_server(server):
-    """The predecessor's four default files, tiny: an OpenAI dVAE and a VQGAN of 16px images."""
-    from dalle_pytorch.models.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
-    from dalle_pytorch.models.vqgan import VQGAN, VQGANConfig
-
-    vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(n_hid=16, n_blk_per_group=1, vocab_size=64, n_init=8), 16)
-    dd = {**VQGAN_DDCONFIG, "resolution": 16, "attn_resolutions": [8]}
-    vqgan = VQGAN(VQGANConfig(**{k: v for k, v in dd.items() if k != "dropout"}, n_embed=32, embed_dim=32))
-    params = {"embed_dim": 32, "n_embed": 32, "ddconfig": dd}
-    config = {"model": {"target": "taming.models.vqgan.VQModel", "params": params}}
-    server.files.update(
-        {
-            "encoder.pkl": _bytes(vae.enc),  # whole pickled modules, as OpenAI released them
-            "decoder.pkl": _bytes(vae.dec),
-            "vqgan.1024.model.ckpt": _bytes({"state_dict": random_weights(shapes_of(vqgan), 0)}),
-            "vqgan.1024.config.yml": yaml.safe_dump(config).encode(),
-        }
-    )
-    return server
 
 
 FLAGS = dict(vae_path="", taming=False, openai_vae_path="", vqgan_model_path="", vqgan_config_path="")

@@ -77,8 +77,9 @@ def build_text_tokenizer(
     tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
     if flags["tokenizer"] in ("clip", "chinese"):
         return _pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
-    if flags["bpe_path"]:
-        return (HugTokenizer if flags["hug"] else YttmTokenizer).from_file(flags["bpe_path"])
+    if flags["bpe_path"]:  # the user's own model reads text as they trained it: not lowercased
+        path = flags["bpe_path"]
+        return HugTokenizer.from_file(path) if flags["hug"] else YttmTokenizer.from_file(path, lowercase=False)
     if flags["tokenizer"] == "byte":
         return ByteTokenizer()
     path = os.path.join(run_dir, "bpe.yttm")

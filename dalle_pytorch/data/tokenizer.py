@@ -79,8 +79,8 @@ class ByteTokenizer(Tokenizer):
 
 
 class YttmTokenizer(Tokenizer):
-    """Byte-level BPE from YouTokenToMe (pad 0, unk 1, bos 2, eos 3). Text is lowercased (the run's own BPE is
-    trained on lowercased captions) unless `lowercase` is off, as for a converted predecessor model."""
+    """Byte-level BPE from YouTokenToMe (pad 0, unk 1, bos 2, eos 3). Text is lowercased for the run's own BPE
+    (trained on lowercased captions), not for a model given with --bpe_path or converted from the predecessor."""
 
     kind = "yttm"
 
@@ -97,11 +97,11 @@ class YttmTokenizer(Tokenizer):
             os.unlink(f.name)
 
     @classmethod
-    def from_file(cls, path: str) -> YttmTokenizer:
+    def from_file(cls, path: str, lowercase: bool = True) -> YttmTokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--bpe_path {path} does not exist")
         with open(path) as f:
-            return cls(f.read())
+            return cls(f.read(), lowercase)
 
     @classmethod
     def train(cls, captions: list[str], vocab_size: int, path: str) -> YttmTokenizer:

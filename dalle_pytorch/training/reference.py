@@ -252,8 +252,9 @@ def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: boo
         with open(bpe_path) as f:
             data = f.read()
         # the predecessor neither lowercased captions for YouTokenToMe nor kept id 0 free in a tokenizers JSON
-        return tokenizer_from_dict({"kind": "hug", "data": data, "offset": 0} if hug else
-                                   {"kind": "yttm", "data": data, "lowercase": False})  # fmt: skip
+        if hug:
+            return tokenizer_from_dict({"kind": "hug", "data": data, "offset": 0})
+        return tokenizer_from_dict({"kind": "yttm", "data": data, "lowercase": False})
     if chinese:
         from ..data.chinese import ChineseTokenizer
 
