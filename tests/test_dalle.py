@@ -3,7 +3,7 @@ import torch
 
 from dalle_pytorch.data.tokenizer import ByteTokenizer, HugTokenizer, YttmTokenizer, tokenizer_from_dict
 from dalle_pytorch.models.dalle import DALLE, DALLEConfig
-from dalle_pytorch.models.sampling import filter_logits, generate_image_tokens, pick_token
+from dalle_pytorch.models.sampling import filter_logits, generate_image_tokens, generate_text_tokens, pick_token
 from dalle_pytorch.models.transformer import ATTN_TYPES, shift_tokens
 
 T, F, VT, VI = 6, 4, 20, 12
@@ -251,3 +251,35 @@ def test_attn_types_accept_the_comma_separated_form():
     assert DALLEConfig(attn_types=["full", "conv_like"]).attn_types == ["full", "conv_like"]
     with pytest.raises(ValueError, match="unknown type 'sparse_ish'"):
         DALLEConfig(attn_types=["full,sparse_ish"])
+
+
+@pytest.mark.parametrize("reference_layout", [False, True])
+def test_generate_text_keeps_the_prompt_and_ends_at_padding(reference_layout):
+    """--gentxt: the given tokens stay, the model continues them, and a row ends at the first padding it samples
+    (0, or with the predecessor's layout any of the per-position padding ids)."""
+    dalle = model(reference_layout=reference_layout)
+    pad = VT - T if reference_layout else 0  # a padding id the model may sample
+    stop_at = {0: 5, 1: 3}  # row -> position where the model samples padding
+
+    def text_logits(text):
+        logits = torch.full((text.shape[0], T, VT), -10.0)
+        for p in range(T):
+            logits[:, p, 7 + p % 3] = 10.0  # a word
+            for row, at in stop_at.items():
+                if p == at:
+                    logits[row, p, :] = -10.0
+                    logits[row, p, pad] = 10.0
+        return logits
+
+    dalle.text_logits = text_logits
+    prompt = torch.zeros(2, T, dtype=torch.long)
+    prompt[0, :2] = torch.tensor([3, 4])  # row 1: no prompt, the model invents the caption
+    out = generate_text_tokens(dalle, prompt, temperature=0)
+    assert out[0, :5].tolist() == [3, 4, 9, 7, 8] and (out[0, 5:] == 0).all()
+    assert out[1, :3].tolist() == [7, 8, 9] and (out[1, 3:] == 0).all()
+
+
+def test_text_logits_are_the_training_text_positions():
+    dalle = model()
+    text, image = batch()
+    torch.testing.assert_close(dalle.text_logits(text), dalle.logits(text, image)[:, :T, :VT])

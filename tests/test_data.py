@@ -60,6 +60,39 @@ def test_webdataset_split_by_rank_and_worker_reads_each_sample_once(tmp_path):
     assert sorted(seen) == expected
 
 
+@pytest.mark.parametrize("shards, world", [(1, 2), (2, 3)])
+def test_webdataset_with_fewer_shards_than_processes_splits_by_sample(tmp_path, shards, world):
+    """One big tar on more processes than shards (the predecessor allowed it): each reads all, keeps its share."""
+    export_wds(str(tmp_path), 12, image_size=16, per_shard=12 // shards)
+    expected = sorted(_digest(pil_to_tensor(sample(0, i, 16)[0])) for i in range(12))
+    seen = []
+    for rank in range(world):
+        ds = WebDatasetPairs(str(tmp_path), "png,txt", 16, resize_ratio=1.0, rank=rank, world_size=world)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        mine = [_digest(img) for img, _ in loader]
+        assert len(mine) == 12 // world
+        seen += mine
+    assert sorted(seen) == expected
+
+
+def test_webdataset_json_captions(tmp_path):
+    """img2dataset's `jpg,json` layout: the record's caption field (the predecessor tokenized the raw JSON)."""
+    import io
+    import json
+
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "a.tar")) as sink:
+        for i, record in enumerate(({"caption": "a red circle"}, {"url": "no caption"})):
+            buf = io.BytesIO()
+            sample(0, i, 16)[0].save(buf, format="PNG")
+            sink.write({"__key__": f"{i}", "png": buf.getvalue(), "json": json.dumps(record).encode()})
+    ds = WebDatasetPairs(str(tmp_path / "a.tar"), "png,json", 16, shuffle_buffer=1)
+    with pytest.warns(UserWarning, match='no "caption" or "text"'):
+        assert [cap for _, cap in ds] == ["a red circle"]
+    assert ds.num_skipped == 1
+
+
 def test_webdataset_corrupt_sample_skipped(tmp_path):
     import io
     import tarfile

@@ -1,0 +1,101 @@
+"""predecessor_flags.py: each flag of lucidrains' DALLE-pytorch 1.6 becomes ours, with the conversion it needs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+
+import pytest
+
+import train_dalle
+import train_vae
+from arguments import build_parser
+from predecessor_flags import top_k_arg, top_k_count
+
+
+def parse(script, argv, monkeypatch=None, world: int = 1):
+    """The namespace the script's parser gives for `argv`, and the lines it said (on rank 0 of `world`)."""
+    if monkeypatch is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    parser = build_parser(__doc__, *_configs(script), predecessor=script)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ns = parser.parse_args(argv)
+    return ns, out.getvalue().splitlines()
+
+
+def _configs(script):
+    from arguments import TrainConfig
+    from dalle_pytorch.models.dalle import DALLEConfig
+    from dalle_pytorch.models.vae import VAEConfig
+
+    if script == "train_dalle":
+        return (DALLEConfig, "model"), (train_dalle.DALLERunConfig, "run"), (TrainConfig, "training")
+    return (VAEConfig, "model"), (train_vae.VAERunConfig, "run"), (TrainConfig, "training")
+
+
+def test_renamed_flags_map_and_say_so():
+    ns, lines = parse(
+        "train_dalle",
+        ["--random_resize_crop_lower_ratio=0.8", "--chinese", "--dalle_output_file_name", "mine", "--fp16",
+         "--wandb_name", "proj", "--stable_softmax", "--truncate_captions", "--reversible"],
+    )  # fmt: skip
+    assert (ns.resize_ratio, ns.tokenizer, ns.dalle_output, ns.precision) == (0.8, "chinese", "mine.pt", "fp16")
+    assert ns.wandb and ns.wandb_project == "proj" and ns.stable and ns.checkpoint_activations
+    assert len(lines) == 8 and all(line.startswith("predecessor flag --") for line in lines)
+    assert not hasattr(ns, "fp16")  # consumed: nothing downstream sees the old names
+
+
+def test_bare_lr_decay_and_backend_spellings():
+    ns, lines = parse("train_dalle", ["--lr_decay", "--distr_backend", "DeepSpeed", "--batch_size", "8"])
+    assert ns.lr_decay == "cosine" and ns.distributed_backend == "deepspeed" and "approximated" in lines[0]
+    ns, _ = parse("train_dalle", ["--lr_decay", "linear"])  # ours, untouched
+    assert ns.lr_decay == "linear"
+    ns, _ = parse("train_dalle", ["--distributed_backend", "dummy"])
+    assert ns.distributed_backend == "single"
+
+
+def test_deepspeed_batch_is_global_and_ga_steps_accumulate(monkeypatch):
+    ns, lines = parse("train_dalle", ["--deepspeed", "--batch_size", "32", "--ga_steps", "2"], monkeypatch, world=4)
+    assert (ns.batch_size, ns.global_batch_size, ns.distributed_backend) == (4, 32, "deepspeed")  # 4 x 4 ranks x 2
+    ns, lines = parse("train_dalle", ["--batch_size", "8", "--ga_steps", "2"], monkeypatch, world=4)
+    assert (ns.batch_size, ns.global_batch_size) == (8, 64) and "only under DeepSpeed there" in lines[0]
+    with pytest.raises(ValueError, match="must divide by processes x --ga_steps = 12"):
+        parse("train_dalle", ["--deepspeed", "--batch_size", "8", "--ga_steps", "3"], monkeypatch, world=4)
+
+
+def test_vae_flags_convert_their_meaning():
+    ns, lines = parse(
+        "train_vae",
+        ["--image_size", "64", "--num_layers", "3", "--emb_dim", "128", "--kl_loss_weight", "0.5", "--transparent"],
+    )
+    assert (ns.codebook_dim, ns.channels) == (128, 4)
+    assert ns.kl_div_loss_weight == 0.5 * 64  # its KL summed over the 8 x 8 token grid; ours is the mean
+
+
+def test_anneal_rate_reaches_the_floor_where_the_predecessor_did():
+    ns, _ = parse("train_vae", ["--starting_temp", "1.0", "--temp_min", "0.5", "--anneal_rate", "1e-6"])
+    # there: after k updates (at steps 100, 200, ... 100k) temp = exp(-1e-6 x 100 x k(k+1)/2)
+    k = ns.anneal_steps // 100
+    assert math.exp(-50e-6 * k * (k + 1)) <= 0.5 < math.exp(-50e-6 * (k - 1) * k)
+    assert ns.temp_schedule == "exponential"
+
+
+def test_shared_layers_are_refused_by_name():
+    with pytest.raises(ValueError, match="--shared_attn_ids: layers cannot share weights here"):
+        parse("train_dalle", ["--shared_attn_ids", "0,0,1"])
+
+
+def test_top_k_threshold_is_converted_exactly():
+    assert top_k_arg("16") == 16 and top_k_arg("0") == 0 and top_k_arg("0.9") == 0.9
+    said = []
+    # 0.9 of 8448 + 1024 logits: it kept int(0.1 x 9472) = 947 of them, all image logits at image positions
+    assert top_k_count(0.9, 8448, 1024, said.append) == 947
+    assert "--top_k 947" in said[0]
+    assert top_k_count(0.5, 8448, 1024, said.append) == 0  # 4736 > 1024: nothing filtered
+    assert top_k_count(16, 8448, 1024) == 16
+    with pytest.raises(ValueError, match="threshold in"):
+        top_k_count(1.5, 10, 10)
