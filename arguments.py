@@ -149,9 +149,14 @@ class Parser(argparse.ArgumentParser):
         if self.predecessor is None:
             return super().parse_args(args, namespace)
         args = sys.argv[1:] if args is None else list(args)
-        ns = super().parse_args(predecessor_flags.rewrite_argv(args, LR_DECAYS), namespace)
+        bare_lr_decay = LR_DECAYS if self.predecessor == "train_dalle" else ()  # its train_vae had no --lr_decay
+        ns = super().parse_args(predecessor_flags.rewrite_argv(args, bare_lr_decay), namespace)
         say = print if topology_from_env().rank == 0 else (lambda *_: None)
-        predecessor_flags.apply(ns, self.predecessor, say)
+        given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+        try:
+            predecessor_flags.apply(ns, self.predecessor, say, given)
+        except ValueError as e:  # before the scripts' user_errors: the same one line
+            self.exit(2, f"error: {e}\n")
         return ns
 
 

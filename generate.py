@@ -130,7 +130,8 @@ def _generate(args):
     )
     dalle, vae, tokenizer = load_dalle(args.dalle_path, device, args.vqgan_model_path, args.openai_vae_path, reference)
     cfg = dalle.cfg
-    top_k = top_k_count(args.top_k, cfg.num_text_tokens, cfg.num_image_tokens)
+    num_logits = cfg.num_text_tokens + cfg.num_image_tokens
+    top_k = top_k_count(args.top_k, num_logits, cfg.num_image_tokens)
     clip = None
     if args.keep and not args.clip_path:
         raise ValueError("--keep ranks the images with CLIP: give --clip_path clip.pt (train_clip.py writes one)")
@@ -159,7 +160,7 @@ def _generate(args):
         if truncated:
             print(f"warning: prompt truncated to {cfg.text_seq_len} tokens: {prompt!r}")
         if args.gentxt:  # the predecessor's threshold counts text and image logits; at most the text vocabulary
-            text_k = top_k_count(args.top_k, cfg.num_text_tokens, cfg.num_text_tokens, say=lambda _: None)
+            text_k = top_k_count(args.top_k, num_logits, cfg.num_text_tokens, say=lambda _: None)
             text = generate_text_tokens(
                 dalle, text.to(device), temperature=args.temperature, top_k=text_k, top_p=args.top_p, generator=g
             ).cpu()

@@ -23,8 +23,6 @@ _TRAIN_DALLE = {
     "chinese": (False, "-> --tokenizer chinese"),
     "stable_softmax": (False, "-> --stable"),
     "reversible": (False, "-> --checkpoint_activations (the same memory saving, by recomputation)"),
-    "shared_attn_ids": (True, "refused: layers do not share weights here"),
-    "shared_ff_ids": (True, "refused: layers do not share weights here"),
     "predecessor_lr_decay": (False, "a bare --lr_decay (ReduceLROnPlateau there) -> --lr_decay cosine"),
 }
 _TRAIN_VAE = {
@@ -77,8 +75,9 @@ def add_flags(parser: argparse.ArgumentParser, script: str) -> None:
             group.add_argument(f"--{name}", action="store_true", default=None, help=text)
 
 
-def apply(ns: argparse.Namespace, script: str, say=print) -> None:
-    """Turn the predecessor's flags present in `ns` into ours (in place), saying one line for each."""
+def apply(ns: argparse.Namespace, script: str, say=print, given_flags: set | frozenset = frozenset()) -> None:
+    """Turn the predecessor's flags present in `ns` into ours (in place), saying one line for each.
+    `given_flags`: the flags on the command line (--name), to tell what the user set from our defaults."""
     given = {name: getattr(ns, name) for name in FLAGS[script] if getattr(ns, name, None) is not None}
     for name in FLAGS[script]:
         if hasattr(ns, name):
@@ -87,7 +86,14 @@ def apply(ns: argparse.Namespace, script: str, say=print) -> None:
     def set_(flag: str, value, note: str = "") -> None:
         setattr(ns, flag, value)
         shown = "" if value is True else f" {value}"
-        say(f"predecessor flag --{name}: --{flag}{shown}" + (f" ({note})" if note else ""))
+        old = "lr_decay" if name == "predecessor_lr_decay" else name
+        say(f"predecessor flag --{old}: --{flag}{shown}" + (f" ({note})" if note else ""))
+
+    if {"deepspeed", "deepscale", "ga_steps"} & set(given) and "--global_batch_size" in given_flags:
+        raise ValueError(
+            "--global_batch_size and the predecessor's --deepspeed/--ga_steps both set the batch: keep one"
+        )
+    deepspeed = bool({"deepspeed", "deepscale"} & set(given)) or given.get("distr_backend") == "deepspeed"
 
     for name, value in given.items():
         if name == "dalle_output_file_name":
@@ -102,8 +108,6 @@ def apply(ns: argparse.Namespace, script: str, say=print) -> None:
             set_("stable", True, "LayerScale and max-normalized logits; the softmax is always computed stably")
         elif name == "reversible":
             set_("checkpoint_activations", True, "reversible layers are another network; this saves the same memory")
-        elif name in ("shared_attn_ids", "shared_ff_ids"):
-            raise ValueError(f"--{name}: layers cannot share weights here; drop it (each layer has its own)")
         elif name == "predecessor_lr_decay":
             set_("lr_decay", "cosine", "ReduceLROnPlateau there, which no step schedule reproduces: approximated")
         elif name == "emb_dim":
@@ -116,6 +120,11 @@ def apply(ns: argparse.Namespace, script: str, say=print) -> None:
         elif name == "lr_decay_rate":
             set_("lr_decay", "exponential", f"x{value} every 100 steps there; here to --lr_min_factor at the end")
         elif name == "anneal_rate":
+            if "--anneal_steps" in given_flags:
+                say(f"predecessor flag --anneal_rate: ignored, --anneal_steps {ns.anneal_steps} is given")
+                continue
+            if "--temp_min" not in given_flags:
+                ns.temp_min = 0.5  # its default floor
             _anneal(ns, float(value), set_)
         elif name in ("fp16", "amp"):
             set_("precision", "fp16")
@@ -124,10 +133,10 @@ def apply(ns: argparse.Namespace, script: str, say=print) -> None:
             set_("distributed_backend", "deepspeed")
         elif name == "distr_backend":
             set_("distributed_backend", value)
-            if value == "deepspeed" and "deepspeed" not in given:
+            if value == "deepspeed" and not {"deepspeed", "deepscale"} & set(given):
                 _deepspeed_batch(ns, say)
         elif name == "ga_steps":
-            _accumulate(ns, int(value), "deepspeed" in given or given.get("distr_backend") == "deepspeed", say)
+            _accumulate(ns, int(value), deepspeed, say)
         elif name == "wandb_name":
             ns.wandb = True
             set_("wandb_project", value)
@@ -194,14 +203,14 @@ def top_k_arg(value: str):
     return int(number) if number.is_integer() and number >= 1 or number == 0 else number
 
 
-def top_k_count(top_k, num_text_tokens: int, num_image_tokens: int, say=print) -> int:
-    """Our --top_k (0: off) for the given one; the predecessor's threshold t kept max(int((1 - t) x n), 1) of all
-    n = text + image logits (its text positions masked), so at most the image vocabulary survives."""
+def top_k_count(top_k, num_logits: int, vocabulary: int, say=print) -> int:
+    """Our --top_k (0: off) for the given one. The predecessor's threshold t kept max(int((1 - t) x n), 1) of all
+    n = text + image logits, the other half's masked, so at most the `vocabulary` of the half being sampled."""
     if isinstance(top_k, int):
         return top_k
     if not 0 < top_k < 1:
         raise ValueError(f"--top_k is a count of tokens, or the predecessor's threshold in (0, 1) (got {top_k})")
-    k = min(max(int((1 - top_k) * (num_text_tokens + num_image_tokens)), 1), num_image_tokens)
-    kept = 0 if k == num_image_tokens else k
-    say(f"predecessor flag --top_k {top_k}: a threshold there: --top_k {kept} (of {num_image_tokens} image tokens)")
+    k = min(max(int((1 - top_k) * num_logits), 1), vocabulary)
+    kept = 0 if k == vocabulary else k
+    say(f"predecessor flag --top_k {top_k}: a threshold there: --top_k {kept} (of {vocabulary} tokens)")
     return kept

@@ -64,6 +64,9 @@ class DALLERunConfig:
     )
     bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
     hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
+    bpe_lowercase: bool = flag(
+        False, "lowercase captions for a --bpe_path YouTokenToMe model (runs before 2026-12 did)"
+    )
     bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
     dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.pt)")
     precompute_tokens: bool = flag(
@@ -97,12 +100,15 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
     flags = vars(run_cfg)
     start = None
     if run_cfg.dalle_path:
-        start, vae, vae_export, vae_id = _start_from(run_cfg)
-        model_cfg = DALLEConfig(**start["config"])
+        start, model_cfg, vae, vae_export, vae_id = _start_from(run_cfg, model_cfg)
     else:
         vae, vae_export, vae_id = load_image_tokenizer(flags)
     if cfg.resume:
-        check_same_tokenizer(os.path.join(cfg.output_dir, cfg.name or "dalle"), vae_id, tokenizer_flag(flags))
+        run_dir = os.path.join(cfg.output_dir, cfg.name or "dalle")
+        check_same_tokenizer(run_dir, vae_id, tokenizer_flag(flags))
+        if run_cfg.bpe_path and not _recorded(run_dir, "bpe_lowercase", True):
+            run_cfg.bpe_lowercase = True  # a run started before the flag existed lowercased its captions
+            flags = vars(run_cfg)
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
@@ -151,25 +157,44 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
         return task.export_path
 
 
-def _start_from(run_cfg: DALLERunConfig):
-    """(export, image tokenizer, its export or record, its fingerprint) of --dalle_path."""
-    from dalle_pytorch.files import fingerprint
-    from dalle_pytorch.training.export import read_dalle
+def _recorded(run_dir: str, key: str, default):
+    """Whether the run's config.json records `key` in its dalle section (`default` when there is no config)."""
+    import json
 
-    given = [f for f in ("vae_path", "taming", "openai_vae_path") if getattr(run_cfg, f)]
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return key in json.load(f).get("dalle", {})
+
+
+# what --dalle_path fixes (its export's model) and what a fine-tuning run may still change
+_TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weight", "null_cond_prob")
+
+
+def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig):
+    """(export, its model config with the training-only flags given, image tokenizer, its export or record,
+    its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
+    from dalle_pytorch.files import fingerprint
+    from dalle_pytorch.training.export import start_of
+
+    given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
     if given:
         raise ValueError(f"--dalle_path brings its own VAE: drop --{', --'.join(given)}")
-    # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
-    reference = {
-        "bpe_path": run_cfg.bpe_path,
-        "hug": run_cfg.hug,
-        "chinese": run_cfg.tokenizer == "chinese",
-        "vqgan_config_path": run_cfg.vqgan_config_path,
-    }
-    start, vae = read_dalle(run_cfg.dalle_path, run_cfg.vqgan_model_path, reference=reference)
+    start, vae = start_of(vars(run_cfg))
+    theirs, defaults = DALLEConfig(**start["config"]), DALLEConfig()
+    fixed = [
+        f.name
+        for f in dataclasses.fields(DALLEConfig)
+        if "help" in f.metadata and f.name not in _TRAINING_ONLY
+        and getattr(model_cfg, f.name) not in (getattr(defaults, f.name), getattr(theirs, f.name))
+    ]  # fmt: skip
+    if fixed:
+        raise ValueError(f"--dalle_path fixes the model ({run_cfg.dalle_path}'s): drop --{', --'.join(fixed)}")
+    changed = {k: getattr(model_cfg, k) for k in _TRAINING_ONLY if getattr(model_cfg, k) != getattr(defaults, k)}
     record = start["vae"]
     vae_id = fingerprint(record["config"], record["weights"]) if record["kind"] == "vae" else record["fingerprint"]
-    return start, vae, record, vae_id
+    return start, dataclasses.replace(theirs, **changed), vae, record, vae_id
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from .data.build import build_text_tokenizer
 from .errors import user_errors
 from .files import safe_load
 from .training.build import load_image_tokenizer
-from .training.export import from_reference, save_export
+from .training.export import from_reference, save_export, start_of
 from .training.reference import is_reference
 
 
@@ -42,11 +42,15 @@ def convert(ckpt_dir: str, out: str) -> str:
         save_export(out, "vae", config["model"], weights)
         return out
     run = config["dalle"]
-    vae_export = config.get("pretrained_tokenizer")  # the record train_dalle.py kept of a pretrained tokenizer
-    if vae_export is None:  # our VAE, whose export the DALLE export copies
-        vae_export = load_image_tokenizer(run)[1]
-    tokenizer = build_text_tokenizer(run, run_dir)
-    save_export(out, "dalle", config["model"], weights, vae=vae_export, tokenizer=tokenizer.to_dict())
+    if run.get("dalle_path"):  # started from an export (or the predecessor's dalle.pt): its VAE and tokenizer
+        start, _ = start_of(run)
+        vae_export, tokenizer = start["vae"], start["tokenizer"]
+    else:
+        vae_export = config.get("pretrained_tokenizer")  # the record train_dalle.py kept of a pretrained tokenizer
+        if vae_export is None:  # our VAE, whose export the DALLE export copies
+            vae_export = load_image_tokenizer(run)[1]
+        tokenizer = build_text_tokenizer(run, run_dir).to_dict()
+    save_export(out, "dalle", config["model"], weights, vae=vae_export, tokenizer=tokenizer)
     return out
 
 

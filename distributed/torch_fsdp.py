@@ -17,6 +17,19 @@ from .base import Backend
 from .torch_parts import attach_torch_parts, destroy_process_group, init_process_group
 
 
+def _check_unshared(blocks: nn.ModuleList) -> None:
+    """Each block becomes its own FSDP unit: a parameter in two blocks would be sharded twice."""
+    seen: set[int] = set()
+    for block in blocks:
+        mine = {id(p) for p in block.parameters()}
+        if mine & seen:
+            raise ValueError(
+                "--distributed_backend fsdp shards each block on its own, so blocks cannot share weights "
+                "(--shared_attn_ids, --shared_ff_ids): use --distributed_backend ddp, deepspeed or horovod"
+            )
+        seen |= mine
+
+
 class FSDPBackend(Backend):
     name = "fsdp"
 
@@ -33,6 +46,7 @@ class FSDPBackend(Backend):
         mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
         for module in list(model.modules()):
             if isinstance(module, nn.ModuleList):
+                _check_unshared(module)
                 for block in module:
                     fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)

@@ -283,3 +283,28 @@ def test_text_logits_are_the_training_text_positions():
     dalle = model()
     text, image = batch()
     torch.testing.assert_close(dalle.text_logits(text), dalle.logits(text, image)[:, :T, :VT])
+
+
+def test_layers_with_the_same_id_share_their_modules():
+    shared = model(shared_attn_ids=["0,0,1"], shared_ff_ids=["x"])  # depth 2: ids cycle as 0, 0 / x, x
+    a, b = shared.transformer.layers
+    assert a.attn is b.attn and a.ff is b.ff and a.norm1 is not b.norm1
+    assert sum(p.numel() for p in shared.parameters()) < sum(p.numel() for p in model().parameters())
+    text, image = batch()
+    loss, _ = shared.train()(text, image)
+    loss.backward()
+    assert all(p.grad is not None for p in shared.parameters())
+    again = DALLE(shared.cfg).eval()
+    again.load_state_dict(shared.state_dict())
+    assert again.transformer.layers[0].attn is again.transformer.layers[1].attn
+    torch.testing.assert_close(again.logits(text, image), shared.eval().logits(text, image))
+
+
+def test_sharing_refuses_layers_of_different_types_and_fsdp():
+    from distributed.torch_fsdp import _check_unshared
+
+    with pytest.raises(ValueError, match="--shared_attn_ids: layer 1 .axial_row. would share"):
+        model(attn_types=["full", "axial_row"], shared_attn_ids=["0"])
+    with pytest.raises(ValueError, match="--distributed_backend fsdp shards each block"):
+        _check_unshared(model(shared_ff_ids=["0"]).transformer.layers)
+    _check_unshared(model().transformer.layers)

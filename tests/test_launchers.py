@@ -398,3 +398,23 @@ def test_deepspeed_stage0_bf16_checkpoint_resumes_under_zero2(vae_path, tmp_path
     resumed = dalle_args(vae_path, str(tmp_path / "b"), 4, 4, [*args, "--zero_stage", "2"])
     assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*resumed, "--resume", "auto"])
     assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+
+
+@pytest.mark.launchers
+def test_shared_layers_on_two_zero3_ranks_equal_one_process(vae_path, tmp_path):
+    """--shared_attn_ids / --shared_ff_ids (one module in several blocks) under ZeRO-3, which partitions
+    each parameter once however many blocks use it: 2 ranks equal 1 process with the whole batch."""
+    shared = ["--shared_attn_ids", "0,0", "--shared_ff_ids", "0"]
+    train_dalle.main(dalle_args(vae_path, str(tmp_path / "one"), 8, extra=shared))
+    launch(
+        "deepspeed",
+        "train_dalle.py",
+        dalle_args(vae_path, str(tmp_path / "two"), 4, extra=[*shared, "--zero_stage", "3"]),
+    )
+    one, two = (os.path.join(tmp_path, d, "dalle") for d in ("one", "two"))
+    assert grad_norms(two) == pytest.approx(grad_norms(one), rel=NORM_RTOL)
+    weights = safe_load(os.path.join(two, "dalle.pt"))["weights"]
+    assert_same(safe_load(os.path.join(one, "dalle.pt"))["weights"], weights)
+    assert torch.equal(
+        weights["transformer.layers.0.ff.proj_in.weight"], weights["transformer.layers.1.ff.proj_in.weight"]
+    )

@@ -12,6 +12,7 @@ command without the precision flag then trains.
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from test_launchers import launch
 import generate
 import train_dalle
 import train_vae
+from dalle_pytorch import convert
 from dalle_pytorch.data.shapes_export import export_folder, sample
 from dalle_pytorch.training.export import load_dalle
 
@@ -41,7 +43,9 @@ def tiny(script: str, out: str, args: list[str]) -> list[str]:
         return [*run, "--image_size", "16", "--num_tokens", "16", "--hidden_dim", "16", "--emb_dim", "16", *ONE_THREAD]
     if script == "train_dalle.py":
         model = ["--dim", "32", "--depth", "1", "--heads", "2", "--dim_head", "16", "--text_seq_len", "16"]
-        pretrained = not {"--vae_path", "--dalle_path"} & set(args)  # 16-pixel images for the small ones served
+        if "--dalle_path" in args:  # its model is the file's
+            return [*run, *ONE_THREAD]
+        pretrained = "--vae_path" not in args  # 16-pixel images for the small tokenizers served
         return [*run, *model, *(["--pretrained_image_size", "16"] if pretrained else []), *ONE_THREAD]
     return ["--num_images", "2", "--batch_size", "2", "--outputs_dir", out, "--quiet"]
 
@@ -133,6 +137,17 @@ def test_resume_from_its_dalle(files, tmp_path, capsys):
     dalle, vae, tokenizer = load_dalle(path)
     assert dalle.cfg.reference_layout and vae.image_size == 32 and tokenizer.vocab_size == 60
     assert f"started from {old}" in capsys.readouterr().out
+    # a resume checkpoint of that run converts to the same export (its VAE and tokenizer come from the start file)
+    step = sorted(glob.glob(os.path.join(str(tmp_path), "dalle", "checkpoints", "step-*")))[-1]
+    convert.main([step, "--out", str(tmp_path / "converted.pt")])
+    again = torch.load(str(tmp_path / "converted.pt"), weights_only=True)
+    export = torch.load(path, weights_only=True)
+    assert again["tokenizer"] == export["tokenizer"] and again["vae"]["config"] == export["vae"]["config"]
+    assert all(torch.equal(again["weights"][k], w) for k, w in export["weights"].items())
+    with pytest.raises(SystemExit):  # its model is the file's: a model flag is refused, by name
+        run(f"$ python train_dalle.py --dalle_path {old} --image_text_folder /path/to/data", files, str(tmp_path),
+            ["--bpe_path", OLD_BPE, "--dim", "64"])  # fmt: skip
+    assert "--dalle_path fixes the model" in capsys.readouterr().err
 
 
 def test_pretrained_tokenizers_are_downloaded(files, pretrained_server, tmp_path, capsys):

@@ -94,6 +94,15 @@ def test_options_without_an_equivalent_are_refused_by_name(option, value):
         reference_dalle_config(hparams, 64, 8, "old.pt")
 
 
+def test_its_chinese_tokenizer_takes_the_vocabulary_from_bpe_path(tmp_path):
+    from dalle_pytorch.training.reference import reference_text_tokenizer
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "你", "好"]) + "\n")
+    tokenizer = reference_text_tokenizer(bpe_path=str(vocab), chinese=True)
+    assert tokenizer.kind == "chinese" and tokenizer.encode("你好") == [5, 6]
+
+
 def test_generate_reads_a_predecessor_file(reference, tmp_path):
     import generate
 

@@ -77,9 +77,11 @@ def build_text_tokenizer(
     tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
     if flags["tokenizer"] in ("clip", "chinese"):
         return _pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
-    if flags["bpe_path"]:  # the user's own model reads text as they trained it: not lowercased
+    if flags["bpe_path"]:  # the user's own model reads text as they trained it (a config without the key: lowercased)
         path = flags["bpe_path"]
-        return HugTokenizer.from_file(path) if flags["hug"] else YttmTokenizer.from_file(path, lowercase=False)
+        if flags["hug"]:
+            return HugTokenizer.from_file(path)
+        return YttmTokenizer.from_file(path, lowercase=flags.get("bpe_lowercase", True))
     if flags["tokenizer"] == "byte":
         return ByteTokenizer()
     path = os.path.join(run_dir, "bpe.yttm")

@@ -144,6 +144,10 @@ class HugTokenizer(Tokenizer):
         self.json_text = json_text
         self.offset = offset
         self.tok = HFTokenizer.from_str(json_text)
+        if offset == 0:  # the predecessor replaced the file's post-processor (no added special tokens)
+            from tokenizers.processors import ByteLevel
+
+            self.tok.post_processor = ByteLevel(trim_offsets=True)
 
     @classmethod
     def from_file(cls, path: str) -> HugTokenizer:

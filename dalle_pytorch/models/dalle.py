@@ -37,6 +37,10 @@ class DALLEConfig:
     qk_norm: bool = flag(False, "LayerNorm on queries and keys per head")
     z_loss_weight: float = flag(0.0, "weight of the z-loss (mean squared log-partition of the logits)")
     null_cond_prob: float = flag(0.0, "probability of dropping the caption in training (enables --cond_scale)")
+    shared_attn_ids: list = flag(
+        [], "layers with the same id share their attention weights, ids cycled over depth (0 0 1 1, or 0,0,1,1)"
+    )
+    shared_ff_ids: list = flag([], "layers with the same id share their feed-forward weights (as --shared_attn_ids)")
     # lucidrains' dalle-pytorch 1.6 layout, set by `convert --from_reference` (not a flag): padding at text
     # position i is its own token (the last text_seq_len ids of the text vocabulary), the output heads have a
     # bias, and token shift moves half of a text token's features and a quarter each from above and the left
@@ -49,6 +53,8 @@ class DALLEConfig:
     def __post_init__(self):
         # `--attn_types full axial_row` or the predecessor's `--attn_types full,axial_row`
         self.attn_types = [t for item in self.attn_types for t in str(item).split(",") if t]
+        self.shared_attn_ids = [i for item in self.shared_attn_ids for i in str(item).split(",") if i]
+        self.shared_ff_ids = [i for item in self.shared_ff_ids for i in str(item).split(",") if i]
         if not self.attn_types:
             raise ValueError("--attn_types needs at least one type")
         for t in self.attn_types:
@@ -127,15 +133,20 @@ class DALLE(nn.Module):
     def embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """Embeddings of the input positions [bos, text, image tokens given]: (b, 1 + text_seq_len + k, dim)."""
         b, c = text.shape[0], self.cfg
-        if c.reference_layout:  # padding (0) at position i becomes the id reserved for padding there
-            pad_ids = torch.arange(c.num_text_tokens - c.text_seq_len, c.num_text_tokens, device=text.device)
-            text = torch.where(text == 0, pad_ids, text)
+        if c.reference_layout:
+            text = self._padded(text)
         x = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
         if not c.rotary_emb:
             x = x + self.text_pos.weight
         if image is not None and image.shape[1]:
             x = torch.cat([x, self._embed_image(image, torch.arange(image.shape[1], device=image.device))], dim=1)
         return x
+
+    def _padded(self, text: torch.Tensor) -> torch.Tensor:
+        """Reference layout: padding (0) at position i becomes the id reserved for padding there."""
+        c = self.cfg
+        pad_ids = torch.arange(c.num_text_tokens - c.text_seq_len, c.num_text_tokens, device=text.device)
+        return torch.where(text == 0, pad_ids, text)
 
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.divide_max(self.norm(h))
@@ -177,9 +188,11 @@ class DALLE(nn.Module):
         h = self._hidden(text, image[:, :-1])  # (b, T + I, d)
         text_logits = self.text_head(h[:, : c.text_seq_len]).float()  # position p predicts text token p
         image_logits = self.image_head(h[:, c.text_seq_len :]).float()  # position T + k predicts image token k
-        # padding (id 0) gets no loss; an all-padding caption contributes nothing to the text loss
-        text_loss = F.cross_entropy(text_logits.transpose(1, 2), text, ignore_index=0, reduction="sum")
-        text_loss = text_loss / (text != 0).sum().clamp_min(1)
+        if c.reference_layout:  # the predecessor's: every position, padding as its own per-position token
+            text_loss = F.cross_entropy(text_logits.transpose(1, 2), self._padded(text))
+        else:  # padding (id 0) gets no loss; an all-padding caption contributes nothing to the text loss
+            text_loss = F.cross_entropy(text_logits.transpose(1, 2), text, ignore_index=0, reduction="sum")
+            text_loss = text_loss / (text != 0).sum().clamp_min(1)
         image_loss = F.cross_entropy(image_logits.transpose(1, 2), image)
         loss = (text_loss + c.loss_img_weight * image_loss) / (c.loss_img_weight + 1)
         metrics = {"text_loss": text_loss.detach(), "image_loss": image_loss.detach()}

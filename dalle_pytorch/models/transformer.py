@@ -199,13 +199,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, attn_type: str, layer_index: int):
+    def __init__(self, cfg, attn_type: str, layer_index: int, attn: Attention | None = None, ff=None):
+        """`attn`, `ff`: modules of an earlier block to share (--shared_attn_ids, --shared_ff_ids)."""
         super().__init__()
         dim = cfg.dim
         self.attn_type = attn_type
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, attn_type == "full")
-        self.ff = FeedForward(dim, cfg.ff_mult, cfg.ff_dropout)
+        full = attn_type == "full"
+        self.attn = attn or Attention(dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, full)
+        self.ff = ff or FeedForward(dim, cfg.ff_mult, cfg.ff_dropout)
         # sandwich norm (CogView): normalize each branch's output too
         self.post1 = nn.LayerNorm(dim) if cfg.sandwich_norm else nn.Identity()
         self.post2 = nn.LayerNorm(dim) if cfg.sandwich_norm else nn.Identity()
@@ -241,11 +243,37 @@ class Block(nn.Module):
         return shift_tokens(seq, pos, self.text_len, self.fmap, self.reference_shift)
 
 
+def _blocks(cfg, types: list[str]) -> list[Block]:
+    """One block per layer; layers with the same id in cfg.shared_attn_ids (cfg.shared_ff_ids), cycled over
+    the depth, share one attention (feed-forward) module, as lucidrains' DALLE-pytorch did. Their norms stay
+    their own."""
+
+    def ids(given: list) -> list:
+        return [given[i % len(given)] for i in range(cfg.depth)] if given else list(range(cfg.depth))
+
+    attn_ids, ff_ids = ids(cfg.shared_attn_ids), ids(cfg.shared_ff_ids)
+    attns: dict = {}
+    ffs: dict = {}
+    blocks = []
+    for i, t in enumerate(types):
+        shared = attns.get(attn_ids[i])
+        if shared is not None and shared[1] != t:
+            raise ValueError(
+                f"--shared_attn_ids: layer {i} ({t}) would share the attention of a {shared[1]} layer: "
+                "give layers of different --attn_types different ids"
+            )
+        block = Block(cfg, t, i, None if shared is None else shared[0], ffs.get(ff_ids[i]))
+        attns.setdefault(attn_ids[i], (block.attn, t))
+        ffs.setdefault(ff_ids[i], block.ff)
+        blocks.append(block)
+    return blocks
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         types = [cfg.attn_types[i % len(cfg.attn_types)] for i in range(cfg.depth)]
-        self.layers = nn.ModuleList(Block(cfg, t, i) for i, t in enumerate(types))
+        self.layers = nn.ModuleList(_blocks(cfg, types))
         for t in set(types):
             self.register_buffer(
                 f"mask_{t}", attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size), persistent=False

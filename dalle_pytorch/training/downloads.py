@@ -60,9 +60,13 @@ TIMEOUT_S = 60  # per socket operation, not for the whole download
 CHUNK = 1 << 20
 
 
+def cache_root() -> str:
+    """Where downloaded and converted files live: $DALLE_CACHE, else ~/.cache/dalle-pytorch (as make install)."""
+    return os.environ.get("DALLE_CACHE") or os.path.expanduser("~/.cache/dalle-pytorch")
+
+
 def cache_dir() -> str:
-    root = os.environ.get("DALLE_CACHE") or os.path.expanduser("~/.cache/dalle-pytorch")
-    return os.path.join(root, "pretrained")
+    return os.path.join(cache_root(), "pretrained")
 
 
 def url_of(remote: Remote) -> str:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 
+from distributed import topology_from_env
+
 from ..data.tokenizer import tokenizer_from_dict
 from ..files import atomic_save, fingerprint, safe_load
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
+from .downloads import cache_root
 from .reference import dalle_parts, is_reference, reference_text_tokenizer, vae_parts
 
 EXPORT_FORMAT_VERSION = 1
@@ -30,10 +33,11 @@ def load_export(path: str, kind: str, reference: dict | None = None) -> dict:
     the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese, vqgan_config_path)."""
     obj = safe_load(path)
     if is_reference(obj) and kind in ("vae", "dalle"):
-        print(
-            f"{path}: a dalle-pytorch 1.6 {kind} checkpoint, converted on the fly "
-            f"(`python -m dalle_pytorch.convert --from_reference {path} --out NEW.pt` converts it once)"
-        )
+        if topology_from_env().rank == 0:
+            print(
+                f"{path}: a dalle-pytorch 1.6 {kind} checkpoint, converted on the fly "
+                f"(`python -m dalle_pytorch.convert --from_reference {path} --out NEW.pt` converts it once)"
+            )
         return from_reference(obj, path, kind, **(reference or {}))
     if not isinstance(obj, dict) or "format_version" not in obj or "kind" not in obj:
         raise ValueError(
@@ -56,23 +60,24 @@ def from_reference(
 ) -> dict:  # fmt: skip
     """Our export (as load_export returns it) from a checkpoint the predecessor wrote. A pretrained image
     tokenizer inside its DALLE is written as state dicts to `files_dir` (default: a cache folder per file)."""
+    if not isinstance(obj["weights"], dict):  # its DeepSpeed runs' auxiliary.pt holds a note instead
+        raise ValueError(
+            f"{path} holds no weights (a DeepSpeed checkpoint's auxiliary file): consolidate the DeepSpeed "
+            "checkpoint into one dalle.pt first, as dalle-pytorch's wiki 'DeepSpeed-Checkpoints' describes"
+        )
     if "vae_params" not in obj:  # its train_vae.py's vae.pt
         if kind != "vae":
             raise ValueError(f"{path} is a dalle-pytorch VAE checkpoint, expected a DALLE: pass it as --vae_path")
         config, weights = vae_parts(obj, path)
         return {"format_version": EXPORT_FORMAT_VERSION, "kind": "vae", "config": config, "weights": weights}
     if kind != "dalle":
-        raise ValueError(f"{path} is a dalle-pytorch DALLE checkpoint, expected a {kind}")
-    if not files_dir:
-        files_dir = os.path.join(cache_dir(), "converted", fingerprint({}, obj["weights"]))
+        raise ValueError(f"{path} is a dalle-pytorch DALLE checkpoint, expected a {kind}: pass it as --dalle_path")
+    if not files_dir:  # named by its image tokenizer's weights: the same tokenizer is written once
+        vae_weights = {k: v for k, v in obj["weights"].items() if k.startswith("vae.")}
+        files_dir = os.path.join(cache_root(), "converted", fingerprint({}, vae_weights))
     text_tokenizer = reference_text_tokenizer(bpe_path, hug, chinese)
     parts = dalle_parts(obj, path, text_tokenizer, files_dir, vqgan_config_path)
     return {"format_version": EXPORT_FORMAT_VERSION, "kind": "dalle", **parts}
-
-
-def cache_dir() -> str:
-    """Where downloaded and converted files live: $DALLE_CACHE, else ~/.cache/dalle-pytorch (as make install)."""
-    return os.environ.get("DALLE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dalle-pytorch")
 
 
 def vae_from_export(obj: dict) -> DiscreteVAE:
@@ -100,6 +105,19 @@ def load_dalle(
     dalle = DALLE(DALLEConfig(**obj["config"]))
     dalle.load_state_dict(obj["weights"])
     return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
+
+
+def start_of(flags) -> tuple[dict, object]:
+    """(export, image tokenizer) of the --dalle_path a DALLE run started from, read as train_dalle.py read it
+    (`flags`: its parsed flags, or the `dalle` section of its config.json)."""
+    # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
+    reference = {
+        "bpe_path": flags["bpe_path"],
+        "hug": flags["hug"],
+        "chinese": flags["tokenizer"] == "chinese",
+        "vqgan_config_path": flags["vqgan_config_path"],
+    }
+    return read_dalle(flags["dalle_path"], flags["vqgan_model_path"], flags["openai_vae_path"], reference)
 
 
 def read_dalle(path: str, vqgan_model_path: str = "", openai_vae_path: str = "", reference: dict | None = None):

@@ -22,6 +22,7 @@ _VAE_ARGS = {"image_size", "num_layers", "num_tokens", "codebook_dim", "hidden_d
 _VAE_TRAINING_ARGS = {"smooth_l1_loss", "temperature", "straight_through", "kl_div_loss_weight", "reinmax"}
 # the predecessor's DiscreteVAE default normalization, cut to the channels (alpha: mean 0, std 1)
 _NORMALIZATION = ((0.5, 0.5, 0.5, 0.0), (0.5, 0.5, 0.5, 1.0))
+IMAGE_SIZE = 256  # its VQGanVAE and OpenAIDiscreteVAE took 256-pixel images, whatever their config said
 _BLOCK = re.compile(r"^transformer\.layers\.layers\.(\d+)\.([01])\.(.*)$")
 
 
@@ -40,7 +41,9 @@ def reference_vae(hparams: dict, weights: dict[str, torch.Tensor], what: str) ->
     if unknown:
         _refuse(what, ", ".join(sorted(unknown)), "unknown DiscreteVAE argument")
     channels = hparams.get("channels", 3)
-    norm = hparams.get("normalization") or _NORMALIZATION
+    norm = hparams.get("normalization", _NORMALIZATION)
+    if norm is None:  # an explicit None meant no normalization there
+        norm = ((0.0,) * channels, (1.0,) * channels)
     cfg = VAEConfig(
         **{k: hparams[k] for k in _VAE_ARGS & set(hparams)},
         normalization=tuple(tuple(t[:channels]) for t in norm),
@@ -141,7 +144,8 @@ def reference_dalle_weights(cfg: DALLEConfig, weights: dict[str, torch.Tensor], 
 
 
 def _blocks(cfg: DALLEConfig, w: dict, what: str) -> dict[str, torch.Tensor]:
-    """Each LayerScale(PreNorm(branch)) -> our block's norm, branch and (sandwich) post-norm, scale folded."""
+    """Each LayerScale(PreNorm(branch)) -> our block's norm, branch and (sandwich) post-norm, scale folded.
+    Layers that shared a branch there (shared_attn_ids) get their own copy here: each folds its own scale."""
     branches: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for name, tensor in w.items():
         m = _BLOCK.match(name)
@@ -222,15 +226,17 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
     elif kind == "openai":
         for part in ("enc", "dec"):
             name = "encoder.pt" if part == "enc" else "decoder.pt"
-            atomic_save(_prefixed(weights, f"{part}."), os.path.join(files_dir, name))
-        tokenizer, vae = load_openai(files_dir)
+            _save_once(_prefixed(weights, f"{part}."), os.path.join(files_dir, name))
+        tokenizer, vae = load_openai(files_dir, IMAGE_SIZE)
         num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
     else:
-        if not vqgan_config_path:
-            raise ValueError(f"{what} was trained on a VQGAN: pass its config with --vqgan_config_path (model.yaml)")
+        if not vqgan_config_path:  # its default VQGAN's config (vqgan_imagenet_f16_1024), which it downloaded too
+            from .downloads import fetch
+
+            vqgan_config_path = fetch("vqgan_1024_config")
         model_path = os.path.join(files_dir, "vqgan.pt")
-        atomic_save(weights, model_path)
-        tokenizer, vae = load_vqgan(model_path, vqgan_config_path)
+        _save_once(weights, model_path)
+        tokenizer, vae = load_vqgan(model_path, vqgan_config_path, IMAGE_SIZE)
         num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
     cfg = reference_dalle_config(hparams, num_tokens, fmap, what)
     return {
@@ -241,11 +247,27 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
     }
 
 
+def _save_once(weights: dict, path: str) -> None:
+    """Write a converted tokenizer's weights unless this file already holds them (generate.py converts on
+    every call: a dVAE is hundreds of MB)."""
+    if os.path.exists(path):
+        from ..files import safe_load
+
+        old = safe_load(path)
+        if old.keys() == weights.keys() and all(torch.equal(old[k], weights[k]) for k in weights):
+            return
+    atomic_save(weights, path)
+
+
 def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: bool = False):
     """The text tokenizer the predecessor's flags chose, with its ids: --bpe_path (YouTokenToMe, not
     lowercased; or a tokenizers JSON with --hug, ids not shifted), --chinese, or by default the CLIP BPE."""
     from ..data.tokenizer import tokenizer_from_dict
 
+    if chinese:  # --bpe_path, if given, is its vocab.txt (as for --tokenizer chinese)
+        from ..data.chinese import ChineseTokenizer
+
+        return ChineseTokenizer.from_file(bpe_path)
     if bpe_path:
         if not os.path.exists(bpe_path):
             raise FileNotFoundError(f"--bpe_path {bpe_path} does not exist")
@@ -255,10 +277,6 @@ def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: boo
         if hug:
             return tokenizer_from_dict({"kind": "hug", "data": data, "offset": 0})
         return tokenizer_from_dict({"kind": "yttm", "data": data, "lowercase": False})
-    if chinese:
-        from ..data.chinese import ChineseTokenizer
-
-        return ChineseTokenizer.from_file("")
     from ..data.clip_bpe import ClipTokenizer
 
     return ClipTokenizer.from_file("")
