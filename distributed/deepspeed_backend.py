@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from . import deepspeed_portable as portable
 from .base import Backend, StepOptions, StepResult
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
-from .deepspeed_config import DeepSpeedOptions, build_config, choose_zero_stage, read_user_config
+from .deepspeed_config import DeepSpeedOptions, build_config, check_precision, choose_zero_stage, read_user_config
 from .topology import Topology
 from .torch_parts import ProcessGroup, destroy_process_group, export_launcher_env
 
@@ -73,6 +73,7 @@ class DeepSpeedBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
+        check_precision(self.opts.precision, self.device.type == "cuda")  # before joining a process group
         export_launcher_env(self.topo)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from dalle_pytorch.config import flag
 
 
+def check_precision(precision: str, on_gpu: bool) -> None:
+    if precision == "fp16" and not on_gpu:
+        raise ValueError(
+            "DeepSpeed fp16 needs a GPU (its loss scaler is GPU-only): use --precision bf16 or fp32 on CPU"
+        )
+
+
 @dataclass
 class DeepSpeedOptions:
     """The DeepSpeed backend's flags (the loss-scale start and window are shared by every backend's fp16)."""
@@ -89,10 +96,7 @@ def build_config(
     The user's values win; our flags fill only what the user left out. Returns (config, conflicts),
     one line per key where the user's JSON disagrees with a flag.
     """
-    if precision == "fp16" and not on_gpu:
-        raise ValueError(
-            "DeepSpeed fp16 needs a GPU (its loss scaler is GPU-only): use --precision bf16 or fp32 on CPU"
-        )
+    check_precision(precision, on_gpu)
     ours: dict = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation_steps,

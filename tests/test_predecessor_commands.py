@@ -174,22 +174,36 @@ FP16_DEEPSPEED = [
 ]
 
 
-@pytest.mark.launchers
-@pytest.mark.parametrize("command", FP16_DEEPSPEED, ids=["tar", "shard_folder", "http_json", "amp"])
-def test_deepspeed_fp16_commands(command, files, pretrained_server, tmp_path, capsys):
+IDS = ["tar", "shard_folder", "http_json", "amp"]
+
+
+@pytest.fixture
+def http_shards(files, pretrained_server):
+    """The placeholders, with the README's openimages URLs served by the local server."""
     port = pretrained_server.server_address[1]
     pretrained_server.files.update({f"openimages-train-{n:06d}.tar": _read(files, n) for n in range(555)})
-    files = {**files, "http://storage.googleapis.com/nvdata-openimages": f"http://127.0.0.1:{port}"}
-    # as the README says it, in this process: on a CPU the one line that says fp16 needs a GPU
-    python = command.replace("$ deepspeed ", "$ python ")
+    return {**files, "http://storage.googleapis.com/nvdata-openimages": f"http://127.0.0.1:{port}"}
+
+
+@pytest.mark.parametrize("command", FP16_DEEPSPEED, ids=IDS)
+def test_deepspeed_fp16_commands_stop_on_a_cpu(command, http_shards, tmp_path, capsys):
+    """As the README says it, in this process: on a CPU the one line that says fp16 needs a GPU."""
     with pytest.raises(SystemExit):
-        run(python, files, str(tmp_path))
+        run(command.replace("$ deepspeed ", "$ python "), http_shards, str(tmp_path))
     said = capsys.readouterr()
     assert "DeepSpeed fp16 needs a GPU" in said.err and "Traceback" not in said.err
     assert "--precision fp16" in said.out and "--distributed_backend deepspeed" in said.out
-    # without the precision flag, under the deepspeed launcher on 2 ranks: it trains
-    cpu = python.replace(" --fp16", "").replace(" --amp", "").replace("$ python ", "$ deepspeed ")
-    out = run(cpu, files, str(tmp_path))
+
+
+# under the deepspeed launcher on 2 ranks, without the precision flag; the slow two share the others' paths
+LAUNCHED = [pytest.param(c, marks=[pytest.mark.slow] if i in ("shard_folder", "amp") else []) for c, i in
+            zip(FP16_DEEPSPEED, IDS)]  # fmt: skip
+
+
+@pytest.mark.launchers
+@pytest.mark.parametrize("command", LAUNCHED, ids=IDS)
+def test_deepspeed_commands_train_without_fp16(command, http_shards, tmp_path):
+    out = run(command.replace(" --fp16", "").replace(" --amp", ""), http_shards, str(tmp_path))
     assert "done at step 2" in out and "--global_batch_size 4 --batch_size 2" in out
 
 
