@@ -15,7 +15,7 @@ import math
 
 from distributed import topology_from_env
 
-# name -> (script that had it, takes a value, help); the value's type is converted below
+# name -> (takes a value, help), per script; the value's type is converted in apply()
 _TRAIN_DALLE = {
     "dalle_output_file_name": (True, "the predecessor's output name without .pt -> --dalle_output NAME.pt"),
     "random_resize_crop_lower_ratio": (True, "-> --resize_ratio"),
@@ -129,55 +129,39 @@ def apply(ns: argparse.Namespace, script: str, say=print, given_flags: set | fro
         elif name in ("fp16", "amp"):
             set_("precision", "fp16")
         elif name in ("deepspeed", "deepscale"):
-            _deepspeed_batch(ns, say)
             set_("distributed_backend", "deepspeed")
         elif name == "distr_backend":
             set_("distributed_backend", value)
-            if value == "deepspeed" and not {"deepspeed", "deepscale"} & set(given):
-                _deepspeed_batch(ns, say)
         elif name == "ga_steps":
-            _accumulate(ns, int(value), deepspeed, say)
+            continue  # with the batch, below
         elif name == "wandb_name":
             ns.wandb = True
             set_("wandb_project", value)
         else:  # deepspeed_mpi, flops_profiler, num_images_save
             say(f"predecessor flag --{name}: ignored ({FLAGS[script][name][1].split(': ', 1)[-1]})")
+    if deepspeed or "ga_steps" in given:
+        said = " ".join(f"--{n}" for n in ("deepspeed", "deepscale", "ga_steps") if n in given) or "--distr_backend"
+        _batch(ns, deepspeed, int(given.get("ga_steps", 1)), said, say)
 
 
-def _world_size() -> int:
-    return topology_from_env().world_size
-
-
-def _deepspeed_batch(ns, say) -> None:
-    """Under --deepspeed its --batch_size was DeepSpeed's train_batch_size: the batch over all processes."""
-    if getattr(ns, "_global_batch_set", False):
-        return
-    world = _world_size()
-    if ns.batch_size % world:
-        raise ValueError(f"--batch_size {ns.batch_size} (the global batch under --deepspeed) must divide by {world}")
-    ns.global_batch_size, ns.batch_size = ns.batch_size, ns.batch_size // world
-    ns._global_batch_set = True
-    say(
-        f"predecessor flag --deepspeed: --batch_size was the global batch there: --global_batch_size "
-        f"{ns.global_batch_size} --batch_size {ns.batch_size} (per process, {world} processes)"
-    )
-
-
-def _accumulate(ns, steps: int, deepspeed: bool, say) -> None:
-    world = _world_size()
-    if deepspeed:  # train_batch_size = micro batch x processes x steps
-        global_batch = ns.batch_size if not getattr(ns, "_global_batch_set", False) else ns.global_batch_size
-        if global_batch % (world * steps):
-            raise ValueError(f"--batch_size {global_batch} must divide by processes x --ga_steps = {world * steps}")
-        ns.batch_size, ns.global_batch_size = global_batch // (world * steps), global_batch
-        ns._global_batch_set = True
-        note = "DeepSpeed's train_batch_size there"
+def _batch(ns, deepspeed: bool, steps: int, said: str, say) -> None:
+    """Its batch flags as ours. Under DeepSpeed its --batch_size was DeepSpeed's train_batch_size, the batch over
+    all processes and --ga_steps micro-batches; elsewhere --ga_steps did nothing there (here it accumulates)."""
+    world = topology_from_env().world_size
+    if deepspeed:
+        if ns.batch_size % (world * steps):
+            raise ValueError(
+                f"--batch_size {ns.batch_size} (the global batch under --deepspeed) must divide by processes x "
+                f"--ga_steps = {world * steps}"
+            )
+        ns.global_batch_size, ns.batch_size = ns.batch_size, ns.batch_size // (world * steps)
+        note = "--batch_size was DeepSpeed's train_batch_size there"
     else:
         ns.global_batch_size = ns.batch_size * world * steps
-        note = "it applied only under DeepSpeed there"
+        note = "--ga_steps applied only under DeepSpeed there"
     say(
-        f"predecessor flag --ga_steps {steps}: --global_batch_size {ns.global_batch_size} --batch_size "
-        f"{ns.batch_size} ({note})"
+        f"predecessor flag {said}: --global_batch_size {ns.global_batch_size} --batch_size {ns.batch_size} "
+        f"(per process, {world} processes; {note})"
     )
 
 

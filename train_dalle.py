@@ -106,7 +106,7 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
     if cfg.resume:
         run_dir = os.path.join(cfg.output_dir, cfg.name or "dalle")
         check_same_tokenizer(run_dir, vae_id, tokenizer_flag(flags))
-        if run_cfg.bpe_path and not _recorded(run_dir, "bpe_lowercase", True):
+        if run_cfg.bpe_path and not _recorded(run_dir, "bpe_lowercase"):
             run_cfg.bpe_lowercase = True  # a run started before the flag existed lowercased its captions
             flags = vars(run_cfg)
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
@@ -157,13 +157,13 @@ def _train(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, ba
         return task.export_path
 
 
-def _recorded(run_dir: str, key: str, default):
-    """Whether the run's config.json records `key` in its dalle section (`default` when there is no config)."""
+def _recorded(run_dir: str, key: str) -> bool:
+    """Whether the run's config.json records `key` in its dalle section (True for a run without a config yet)."""
     import json
 
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
-        return default
+        return True
     with open(path) as f:
         return key in json.load(f).get("dalle", {})
 
@@ -175,7 +175,7 @@ _TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weigh
 def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig):
     """(export, its model config with the training-only flags given, image tokenizer, its export or record,
     its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
-    from dalle_pytorch.files import fingerprint
+    from dalle_pytorch.training.build import tokenizer_fingerprint
     from dalle_pytorch.training.export import start_of
 
     given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
@@ -192,9 +192,7 @@ def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig):
     if fixed:
         raise ValueError(f"--dalle_path fixes the model ({run_cfg.dalle_path}'s): drop --{', --'.join(fixed)}")
     changed = {k: getattr(model_cfg, k) for k in _TRAINING_ONLY if getattr(model_cfg, k) != getattr(defaults, k)}
-    record = start["vae"]
-    vae_id = fingerprint(record["config"], record["weights"]) if record["kind"] == "vae" else record["fingerprint"]
-    return start, dataclasses.replace(theirs, **changed), vae, record, vae_id
+    return start, dataclasses.replace(theirs, **changed), vae, start["vae"], tokenizer_fingerprint(start["vae"])
 
 
 if __name__ == "__main__":

@@ -88,10 +88,10 @@ def main(argv=None):
         if bool(args.checkpoint) == bool(args.from_reference):
             raise ValueError("give a checkpoint directory or --from_reference OLD.pt (one of them)")
         if args.from_reference:
-            reference = dict(bpe_path=args.bpe_path, hug=args.hug, chinese=args.chinese)
-            out = convert_reference(
-                args.from_reference, args.out, vqgan_config_path=args.vqgan_config_path, **reference
+            reference = dict(
+                bpe_path=args.bpe_path, hug=args.hug, chinese=args.chinese, vqgan_config_path=args.vqgan_config_path
             )
+            out = convert_reference(args.from_reference, args.out, **reference)
         else:
             out = convert(args.checkpoint, args.out)
         print(f"export: {out}")

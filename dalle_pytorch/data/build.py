@@ -76,7 +76,7 @@ def build_text_tokenizer(
     on its captions (a resumed run keeps the vocabulary it has); without, the run's is read. The predecessor's
     tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
     if flags["tokenizer"] in ("clip", "chinese"):
-        return _pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
+        return pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
     if flags["bpe_path"]:  # the user's own model reads text as they trained it (a config without the key: lowercased)
         path = flags["bpe_path"]
         if flags["hug"]:
@@ -96,7 +96,8 @@ def build_text_tokenizer(
     return YttmTokenizer.from_file(path)
 
 
-def _pretrained_text_tokenizer(kind: str, path: str, hug: bool) -> Tokenizer:
+def pretrained_text_tokenizer(kind: str, path: str = "", hug: bool = False) -> Tokenizer:
+    """The predecessor's `clip` or `chinese` tokenizer, its vocabulary from `path` when given."""
     if hug:
         raise ValueError(
             f"--hug reads --bpe_path as a tokenizer of its own, --tokenizer {kind} as {kind}'s vocabulary: drop --hug"

@@ -150,11 +150,11 @@ class HugTokenizer(Tokenizer):
             self.tok.post_processor = ByteLevel(trim_offsets=True)
 
     @classmethod
-    def from_file(cls, path: str) -> HugTokenizer:
+    def from_file(cls, path: str, offset: int = 1) -> HugTokenizer:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--bpe_path {path} does not exist")
         with open(path) as f:
-            return cls(f.read())
+            return cls(f.read(), offset)
 
     @property
     def vocab_size(self) -> int:

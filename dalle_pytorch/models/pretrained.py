@@ -93,14 +93,19 @@ def openai_weights(directory: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"--openai_vae_path {directory} is not a directory holding encoder.pkl and decoder.pkl")
     out = {}
     for part, prefix in (("encoder", "enc."), ("decoder", "dec.")):
-        found = [os.path.join(directory, part + ext) for ext in (".pt", ".pth", ".pkl")]
-        found = [p for p in found if os.path.exists(p)]
-        if not found:
+        path = openai_file(directory, part)
+        if not path:
             raise FileNotFoundError(f"--openai_vae_path {directory} has no {part}.pkl (or {part}.pt state dict)")
-        obj = load_untrusted(found[0], "--openai_vae_path")
+        obj = load_untrusted(path, "--openai_vae_path")
         is_state_dict = isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())
         out.update({prefix + k: v for k, v in (obj if is_state_dict else module_state_dict(obj)).items()})
     return out
+
+
+def openai_file(directory: str, part: str) -> str:
+    """DIR/encoder.pt, .pth or .pkl (the first that exists; `part` "decoder" likewise), or "" if none does."""
+    found = [os.path.join(directory, part + ext) for ext in (".pt", ".pth", ".pkl")]
+    return next((p for p in found if os.path.exists(p)), "")
 
 
 def _read_weights(kind: str, path: str) -> dict[str, torch.Tensor]:

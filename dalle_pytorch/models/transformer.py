@@ -87,18 +87,18 @@ def shift_tokens(x: torch.Tensor, pos: torch.Tensor, text_len: int, fmap: int, r
     q = x.shape[-1] // 4
     img = pos - text_len - 1  # image index held at each position (negative for bos and text)
     is_img = img >= 0
-    # source position of each quarter; -1 where the neighbour is missing (before bos, past an image edge)
-    first = torch.where(is_img & (img % fmap == 0), -1, pos - 1)  # text: previous token; image: left
-    second = torch.where(is_img, torch.where(img >= fmap, pos - fmap, -1), pos)  # image: above; text: itself
+    # an image token's neighbours; -1 where one is missing (past an image edge; before bos for pos - 1)
+    above = torch.where(img >= fmap, pos - fmap, -1)
+    left = torch.where(img % fmap == 0, -1, pos - 1)
 
     def take(src: torch.Tensor, lo: int, hi: int) -> torch.Tensor:  # features lo:hi of the rows src (b, m, hi - lo)
         # indexing, not index_select: index_select on a feature slice (non-contiguous) is ~10x slower on CPU
         return x[:, src.clamp(min=0), lo:hi].masked_fill((src < 0)[None, :, None], 0.0)
 
     if not reference:
+        first = torch.where(is_img, left, pos - 1)  # text: the previous token
+        second = torch.where(is_img, above, pos)  # text: itself
         return torch.cat([take(first, 0, q), take(second, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
-    above = torch.where(img >= fmap, pos - fmap, -1)
-    left = torch.where(img % fmap == 0, -1, pos - 1)
     h = x.shape[-1] // 2
     text = torch.cat([take(pos - 1, 0, h), x[:, pos, h:]], dim=-1)
     image = torch.cat([take(above, 0, q), take(left, q, 2 * q), x[:, pos, 2 * q :]], dim=-1)
@@ -216,7 +216,7 @@ class Block(nn.Module):
         self.scale1 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None
         self.scale2 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None
         self.shift = cfg.shift_tokens
-        self.reference_shift = getattr(cfg, "reference_layout", False)
+        self.reference_shift = cfg.reference_layout
         self.text_len, self.fmap = cfg.text_seq_len, cfg.image_fmap_size
 
     def forward(self, x, mask, angles, cache: LayerCache | None = None):

@@ -15,7 +15,7 @@ from distributed import topology_from_env
 
 from ..data.tokenized import PrecomputedTokens, precompute_tokens
 from ..files import atomic_save, fingerprint, safe_load
-from ..models.pretrained import load_openai, load_vqgan
+from ..models.pretrained import load_openai, load_vqgan, openai_file
 from .downloads import OPENAI_DEFAULT, VQGAN_DEFAULT, default_openai_dir, default_vqgan_paths
 from .export import load_vae
 
@@ -46,12 +46,16 @@ def load_image_tokenizer(flags: Mapping):
         raise ValueError(f"--pretrained_image_size must be positive, or 0 for the tokenizer's own (got {image_size})")
     if vae_path:
         vae, export = load_vae(vae_path)
-        return vae, export, fingerprint(export["config"], export["weights"])
-    if taming:
-        vae, record = _load_taming(vqgan_model_path, vqgan_config_path, image_size)
+    elif taming:
+        vae, export = _load_taming(vqgan_model_path, vqgan_config_path, image_size)
     else:
-        vae, record = _load_openai(openai_vae_path, image_size)
-    return vae, record, record["fingerprint"]
+        vae, export = _load_openai(openai_vae_path, image_size)
+    return vae, export, tokenizer_fingerprint(export)
+
+
+def tokenizer_fingerprint(export: Mapping) -> str:
+    """The fingerprint of an image tokenizer from our VAE's export, or the one a pretrained tokenizer's record keeps."""
+    return fingerprint(export["config"], export["weights"]) if export["kind"] == "vae" else export["fingerprint"]
 
 
 def _load_taming(model_path: str, config_path: str, image_size: int):
@@ -102,9 +106,7 @@ def _load_openai(directory: str, image_size: int):
 
 def _has_openai_files(directory: str) -> bool:
     """Any encoder or decoder file: one without the other is the loader's error to report, not a download."""
-    return any(
-        os.path.exists(os.path.join(directory, p + e)) for p in ("encoder", "decoder") for e in (".pt", ".pth", ".pkl")
-    )
+    return any(openai_file(directory, part) for part in ("encoder", "decoder"))
 
 
 def tokenizer_flag(flags: Mapping) -> str:

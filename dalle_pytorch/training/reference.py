@@ -262,21 +262,11 @@ def _save_once(weights: dict, path: str) -> None:
 def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: bool = False):
     """The text tokenizer the predecessor's flags chose, with its ids: --bpe_path (YouTokenToMe, not
     lowercased; or a tokenizers JSON with --hug, ids not shifted), --chinese, or by default the CLIP BPE."""
-    from ..data.tokenizer import tokenizer_from_dict
+    from ..data.build import pretrained_text_tokenizer
+    from ..data.tokenizer import HugTokenizer, YttmTokenizer
 
     if chinese:  # --bpe_path, if given, is its vocab.txt (as for --tokenizer chinese)
-        from ..data.chinese import ChineseTokenizer
-
-        return ChineseTokenizer.from_file(bpe_path)
-    if bpe_path:
-        if not os.path.exists(bpe_path):
-            raise FileNotFoundError(f"--bpe_path {bpe_path} does not exist")
-        with open(bpe_path) as f:
-            data = f.read()
-        # the predecessor neither lowercased captions for YouTokenToMe nor kept id 0 free in a tokenizers JSON
-        if hug:
-            return tokenizer_from_dict({"kind": "hug", "data": data, "offset": 0})
-        return tokenizer_from_dict({"kind": "yttm", "data": data, "lowercase": False})
-    from ..data.clip_bpe import ClipTokenizer
-
-    return ClipTokenizer.from_file("")
+        return pretrained_text_tokenizer("chinese", bpe_path)
+    if bpe_path:  # it neither lowercased captions for YouTokenToMe nor kept id 0 free in a tokenizers JSON
+        return HugTokenizer.from_file(bpe_path, offset=0) if hug else YttmTokenizer.from_file(bpe_path, lowercase=False)
+    return pretrained_text_tokenizer("clip")
