@@ -3,9 +3,12 @@
 import os
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 110 s on 2 cores: out of `make test`'s 15-minute budget, in `make test-all`
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["bash", "bench/gpu.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True)
