@@ -3,12 +3,14 @@
 
     .venv/bin/python bench/memory.py                 # depth 8, dim 512, batch 1, fp32, 2 threads
     .venv/bin/python bench/memory.py --depth 2 --dim 128 --steps 1     # a quick look
+    .venv/bin/python bench/memory.py --patterns_only                    # only the attention patterns
 
 Per mode, a fresh process trains a few steps and reports: the bytes autograd keeps for backward at the end
 of the forward (the activations; exact), the process's peak resident memory (weights, gradients, Adam,
 activations, allocator slack), and the step time (the median of the timed steps). Then one attention layer's
-forward + backward for each pattern against full causal attention, with the fraction of the score matrix
-each pattern keeps.
+forward + backward for each pattern, computed sparsely (what training runs) and as SDPA with the dense mask
+(the fallback), against full causal attention, with the fraction of the score matrix each pattern keeps
+and the fraction the sparse path computes (its bound on the speed-up: full causal computes ~50%).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
+from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention  # noqa: E402
 from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask  # noqa: E402
 
 
@@ -82,56 +85,36 @@ def one_mode(args) -> dict:
     }
 
 
-def attention_patterns(args) -> list[tuple[str, float, float]]:
-    """(pattern, fraction of the n x n scores kept, seconds for forward + backward of one attention layer)."""
+def attention_patterns(args) -> list[tuple[str, float, float, float, float]]:
+    """Per pattern: (name, fraction of the n x n scores its mask keeps, fraction the sparse path computes,
+    seconds for forward + backward of one attention layer through the sparse path, and through SDPA with
+    the dense mask). Full causal attention is SDPA's fused is_causal path."""
     torch.set_num_threads(args.threads)
     cfg = config(args)
     n, d = cfg.seq_len, cfg.dim // cfg.heads
     q, k, v = (torch.randn(args.batch, cfg.heads, n, d, requires_grad=True) for _ in range(3))
 
-    def timed(fn, repeats=3):
+    def timed(fn, repeats=5):
         fn().sum().backward()
-        t = time.perf_counter()
+        times = []
         for _ in range(repeats):
+            t = time.perf_counter()
             fn().sum().backward()
-        return (time.perf_counter() - t) / repeats
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
 
-    rows = [
-        ("full (causal, fused)", 0.5 + 0.5 / n, timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
-    ]
+    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    rows = [("full (causal, fused)", (n + 1) / (2 * n), (n + 1) / (2 * n), full, full)]
     for kind in ATTN_TYPES[1:]:
         mask = attention_mask(kind, cfg.text_seq_len, cfg.image_fmap_size)
-        kept = mask.float().mean().item()
-        rows.append((kind, kept, timed(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m))))
+        layout = SparseLayout(kind, mask, cfg.text_seq_len, cfg.image_fmap_size)
+        sparse = timed(lambda lay=layout: sparse_attention(q, k, v, lay))
+        dense = timed(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+        rows.append((kind, mask.float().mean().item(), layout.computed_fraction, sparse, dense))
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--depth", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--text_seq_len", type=int, default=256)
-    p.add_argument("--fmap", type=int, default=32, help="image token grid side (32x32 = 1024 tokens)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one mode, in a subprocess
-    args = p.parse_args(argv)
-    if args.one:
-        print(json.dumps(one_mode(args)))
-        return
-    base = [a for a in (argv if argv is not None else sys.argv[1:])]
-    results = {}
-    for name, extra in (("kept", []), ("recomputed", ["--checkpoint"])):
-        out = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), *base, "--one", *extra], capture_output=True, text=True
-        )
-        if out.returncode:
-            raise SystemExit(out.stderr)
-        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    cfg = config(args)
+def print_memory(args, cfg, results):
     kept, rec = results["kept"], results["recomputed"]
     print(
         f"DALLE dim {args.dim}, depth {args.depth}, heads {args.heads}, sequence {cfg.seq_len} "
@@ -145,13 +128,49 @@ def main(argv=None):
         )
     print(
         f"  --checkpoint_activations: activations / {kept['activations_mb'] / rec['activations_mb']:.1f}, "
-        f"peak RSS / {kept['peak_rss_mb'] / rec['peak_rss_mb']:.2f}, step time x {rec['step_s'] / kept['step_s']:.2f}"
+        f"peak RSS / {kept['peak_rss_mb'] / rec['peak_rss_mb']:.2f}, "
+        f"step time x {rec['step_s'] / kept['step_s']:.2f}"
     )
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--text_seq_len", type=int, default=256)
+    p.add_argument("--fmap", type=int, default=32, help="image token grid side (32x32 = 1024 tokens)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--patterns_only", action="store_true", help="only the attention patterns' timings")
+    p.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one mode, in a subprocess
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(one_mode(args)))
+        return
+    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    results = {}
+    cfg = config(args)
+    for name, extra in () if args.patterns_only else (("kept", []), ("recomputed", ["--checkpoint"])):
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *base, "--one", *extra], capture_output=True, text=True
+        )
+        if out.returncode:
+            raise SystemExit(out.stderr)
+        results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    if results:
+        print_memory(args, cfg, results)
     rows = attention_patterns(args)
-    full = rows[0][2]
+    full = rows[0][3]
     print(f"one attention layer, forward + backward, batch {args.batch}, {args.heads} heads, sequence {cfg.seq_len}:")
-    for name, kept_frac, t in rows:
-        print(f"  {name:22} keeps {kept_frac:6.1%} of the scores: {t * 1e3:7.1f} ms, {full / t:5.2f}x full's speed")
+    for name, kept, computed, sparse, dense in rows:
+        line = f"  {name:20} keeps {kept:6.1%} of the scores, computes {computed:6.1%}: {sparse * 1e3:7.1f} ms"
+        line += f", {full / sparse:5.2f}x full's speed (at most {rows[0][2] / computed:4.2f}x by the scores)"
+        if name != rows[0][0]:
+            line += f"; as a dense mask {dense * 1e3:7.1f} ms, {full / dense:5.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ VARIANTS = [dict(attn_types=[t]) for t in ATTN_TYPES] + [
     dict(rotary_emb=True),
     dict(shift_tokens=True),
     dict(stable=True, sandwich_norm=True, qk_norm=True),
-    dict(attn_types=["full", "axial_row", "axial_col", "conv_like"], shift_tokens=True, rotary_emb=True),
+    dict(attn_types=["full", "axial_row", "axial_col", "conv_like", "sparse"], shift_tokens=True, rotary_emb=True),
 ]
 
 
@@ -108,7 +108,9 @@ def test_z_loss_and_null_cond():
     loss.backward()
 
 
-@pytest.mark.parametrize("kw", [{}, dict(shift_tokens=True, rotary_emb=True, attn_types=["axial_row", "conv_like"])])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(shift_tokens=True, rotary_emb=True, attn_types=["axial_row", "conv_like", "sparse"])]
+)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_cached_equals_uncached(kw, temperature):
     m = model(**kw)

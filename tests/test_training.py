@@ -410,3 +410,19 @@ def test_sampler_position_holds_at_any_world_size(new_world):
     assert len({len(shard) for shard in rest}) == 1 and len(rest[0]) % batch == 0 and len(rest[0]) > 0
     if new_world == 2:
         assert rest == [shard[3 * batch :] for shard in first]
+
+
+SPARSE_ARGS = ["--attn_types", "full,axial_row,axial_col,conv_like,sparse", "--depth", "5"]
+
+
+def test_sparse_patterns_train(vae_path, tmp_path):
+    """The predecessor's comma-separated --attn_types, each pattern computed sparsely."""
+    export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "2", *SPARSE_ARGS, "--output_dir", str(tmp_path)])
+    assert all(torch.isfinite(w).all() for w in safe_load(export)["weights"].values())
+
+
+@pytest.mark.slow
+def test_sparse_patterns_train_compiled_with_recomputation(vae_path, tmp_path):
+    extra = ["--compile", "--checkpoint_activations", "--output_dir", str(tmp_path)]
+    export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "2", *SPARSE_ARGS, *extra])
+    assert all(torch.isfinite(w).all() for w in safe_load(export)["weights"].values())

@@ -1,4 +1,4 @@
-"""The decoder-only transformer under DALLE: pre-norm blocks, SDPA attention with sparse causal masks,
+"""The decoder-only transformer under DALLE: pre-norm blocks, SDPA attention (sparse patterns computed sparsely),
 rotary positions, token shift, and the stabilizers users know (CogView's, sandwich norm, QK-norm).
 
 The sequence is [<bos>, text (text_seq_len), image (fmap^2)] minus its last token. Masks are built once
@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-ATTN_TYPES = ("full", "axial_row", "axial_col", "conv_like")
+from .sparse_attention import SparseLayout, sparse_attention
+
+ATTN_TYPES = ("full", "axial_row", "axial_col", "conv_like", "sparse")
 
 
 def attention_mask(kind: str, text_len: int, fmap: int, kernel: int = 5) -> torch.Tensor:
@@ -23,8 +25,10 @@ def attention_mask(kind: str, text_len: int, fmap: int, kernel: int = 5) -> torc
 
     Positions 0..text_len hold bos and text; position text_len + 1 + k holds image token k. The query at
     position q >= text_len predicts image token t = q - text_len; sparse patterns keep the image keys that
-    share its row (axial_row), its column (axial_col) or a kernel window around it (conv_like). Every
-    query sees all text and itself, and nothing after itself.
+    share its row (axial_row), its column (axial_col) or a kernel window around it (conv_like); `sparse`
+    is the Sparse Transformer's strided pattern (Child et al. 2019) at stride = image width: the previous
+    `fmap` image tokens and every earlier token of its column. Every query sees all text and itself, and
+    nothing after itself.
     """
     if kind not in ATTN_TYPES:
         raise ValueError(f"unknown attention type {kind!r}: use one of {', '.join(ATTN_TYPES)}")
@@ -41,6 +45,8 @@ def attention_mask(kind: str, text_len: int, fmap: int, kernel: int = 5) -> torc
         same = tr[:, None] == kr[None, :]
     elif kind == "axial_col":
         same = tc[:, None] == kc[None, :]
+    elif kind == "sparse":
+        same = (tc[:, None] == kc[None, :]) | (key_img[None, :] >= target[:, None] - fmap)
     else:
         r = kernel // 2
         same = ((tr[:, None] - kr[None, :]).abs() <= r) & ((tc[:, None] - kc[None, :]).abs() <= r)
@@ -159,8 +165,9 @@ class Attention(nn.Module):
         b, _, m, _ = out.shape  # (b, h, m, d)
         return self.to_out(out.transpose(1, 2).reshape(b, m, -1))
 
-    def forward(self, x, mask, angles, cache: LayerCache | None = None):
-        """Positions 0..m-1 of x (b, m, dim); with a cache, their keys and values are stored for decoding."""
+    def forward(self, x, mask, angles, cache: LayerCache | None = None, layout: SparseLayout | None = None):
+        """Positions 0..m-1 of x (b, m, dim); with a cache, their keys and values are stored for decoding.
+        `layout`: the pattern's sparse layout, used when x is the whole sequence."""
         m = x.shape[1]
         q, k, v = self._qkv(x, None if angles is None else angles[:m])
         if cache is not None:
@@ -169,6 +176,8 @@ class Attention(nn.Module):
         drop = self.dropout if self.training else 0.0
         if self.causal_only:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)  # fused/flash path
+        elif layout is not None and m == mask.shape[0]:
+            out = sparse_attention(q, k, v, layout, drop)  # only the scores the pattern keeps
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop)
         return self._out(out)
@@ -219,10 +228,10 @@ class Block(nn.Module):
         self.reference_shift = cfg.reference_layout
         self.text_len, self.fmap = cfg.text_seq_len, cfg.image_fmap_size
 
-    def forward(self, x, mask, angles, cache: LayerCache | None = None):
+    def forward(self, x, mask, angles, cache: LayerCache | None = None, layout: SparseLayout | None = None):
         """Positions 0..m-1 (training, logits, prefill); fills the cache's rows 0..m-1 when given one."""
         pos = torch.arange(x.shape[1], device=x.device)
-        return self._residuals(x, pos, cache, lambda h: self.attn(h, mask, angles, cache))
+        return self._residuals(x, pos, cache, lambda h: self.attn(h, mask, angles, cache, layout))
 
     def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim), reading and extending the cache."""
@@ -274,10 +283,13 @@ class Transformer(nn.Module):
         super().__init__()
         types = [cfg.attn_types[i % len(cfg.attn_types)] for i in range(cfg.depth)]
         self.layers = nn.ModuleList(_blocks(cfg, types))
-        for t in set(types):
-            self.register_buffer(
-                f"mask_{t}", attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size), persistent=False
-            )
+        # each sparse pattern's score layout, computed from its mask (the mask serves prefixes and decoding)
+        self.layouts = nn.ModuleDict()
+        for t in sorted(set(types)):
+            mask = attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size)
+            self.register_buffer(f"mask_{t}", mask, persistent=False)
+            if t != "full":
+                self.layouts[t] = SparseLayout(t, mask, cfg.text_seq_len, cfg.image_fmap_size)
         angles = rotary_angles(cfg.text_seq_len, cfg.image_fmap_size, cfg.dim_head) if cfg.rotary_emb else None
         self.register_buffer("angles", angles, persistent=False)
         # recompute each block in backward instead of keeping its activations (set by --checkpoint_activations)
@@ -290,10 +302,11 @@ class Transformer(nn.Module):
         """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one."""
         recompute = self.checkpoint_activations and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
+            layout = self.layouts[layer.attn_type] if layer.attn_type in self.layouts else None
             if recompute:  # only the block's input is kept; non-reentrant, so it nests in DDP, FSDP, ZeRO-3, compile
-                x = checkpoint(layer, x, self._mask(layer), self.angles, use_reentrant=False)
+                x = checkpoint(layer, x, self._mask(layer), self.angles, None, layout, use_reentrant=False)
             else:
-                x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i])
+                x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i], layout)
         return x
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:

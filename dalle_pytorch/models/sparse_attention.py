@@ -1,0 +1,135 @@
+"""The sparse attention patterns computed sparsely: only the scores a pattern keeps are computed.
+
+Every pattern of DALL-E's (Ramesh et al. 2021, appendix B.1, figure 11) lets each image query see all
+the text, itself, and a few image keys chosen by the image grid: its row, its column, a window around it.
+So the scores of an image query are three dense pieces and no masked block is ever computed:
+- text: one (image queries x text keys) matmul;
+- self: the query's own key, one dot product per query;
+- parts: the queries are grouped (by image row, or by column) and each group attends to the few image
+  keys its members may see, gathered into a (group x keys) block: a batched matmul of small blocks.
+One softmax runs over the pieces side by side; text queries are plain causal attention (SDPA's fused path).
+
+`SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
+cover exactly the mask's True entries, so this path computes the same function as SDPA with the mask
+(tests/test_sparse_attention.py compares outputs and gradients). It serves a whole sequence; a shorter
+prefix (generation's prefill of a partial sequence) and one-token decoding use the dense mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# how each pattern's image keys split into parts: (query grouping, which allowed image keys the part holds).
+# Row groups of 8 queries keep conv_like's gathered windows small (3 rows x 12 columns instead of 3 x 32).
+PARTS = {
+    "axial_row": [("rows", None)],
+    "axial_col": [("cols", None)],
+    "conv_like": [(8, None)],
+    # the Sparse Transformer's strided pattern at stride = image width: the previous row's worth of tokens
+    # (grouped by row), then the rest of the column (grouped by column)
+    "sparse": [("rows", "window"), ("cols", None)],
+}
+
+
+def _groups(kind, fmap: int) -> torch.Tensor:
+    """(groups, group size) image-query indices: image rows, image columns, or runs of `kind` queries in a row."""
+    grid = torch.arange(fmap * fmap).view(fmap, fmap)
+    if kind == "rows":
+        return grid
+    if kind == "cols":
+        return grid.t().contiguous()
+    size = kind if fmap % kind == 0 else fmap
+    return grid.reshape(-1, size)
+
+
+class SparseLayout(nn.Module):
+    """Index buffers of one pattern over the sequence [bos + text (text_len), image (fmap^2) - 1]; query
+    position text_len + t is image query t (it predicts image token t), key position text_len + 1 + k holds
+    image token k. Buffers, so they follow the model to its device."""
+
+    def __init__(self, kind: str, mask: torch.Tensor, text_len: int, fmap: int):
+        super().__init__()
+        n = mask.shape[0]
+        t0, ni = text_len, fmap * fmap
+        img = mask[t0:]  # (ni, n): the image queries' rows
+        self.text_len, self.num_parts = text_len, len(PARTS[kind])
+        # keys each piece holds; every piece removes what an earlier piece already holds, so none counts twice
+        left = img.clone()
+        left[:, : t0 + 1] = False  # the text piece: every text key (positions 0..text_len)
+        assert img[:, : t0 + 1].all(), "every image query sees all text"
+        query_pos = torch.arange(t0, n)
+        self_ok = left[torch.arange(ni), query_pos]  # the self piece (query t=0's own key is a text key)
+        left[torch.arange(ni), query_pos] = False
+        self.register_buffer("self_ok", self_ok, persistent=False)
+        for i, (grouping, only) in enumerate(PARTS[kind]):
+            holds = left.clone()
+            if only == "window":  # keys within one image row's worth of tokens before the query
+                key_img = torch.arange(n) - t0 - 1
+                holds &= key_img[None, :] >= torch.arange(ni)[:, None] - fmap
+            left &= ~holds
+            queries = _groups(grouping, fmap)  # (g, s)
+            members = holds[queries]  # (g, s, n): which keys each member may see
+            used = members.any(1)  # (g, n): the keys the group gathers
+            w = max(int(used.sum(1).max()), 1)
+            # each group's keys, padded with key 0 (masked out); a stable sort keeps them in sequence order
+            keys = torch.sort((~used).int(), dim=1, stable=True).indices[:, :w]  # (g, w)
+            allowed = torch.gather(members, 2, keys[:, None, :].expand(-1, queries.shape[1], -1))  # (g, s, w)
+            allowed &= torch.gather(used, 1, keys)[:, None, :]
+            order = queries.flatten()
+            identity = bool((order == torch.arange(ni)).all())
+            self.register_buffer(f"queries{i}", None if identity else order, persistent=False)
+            self.register_buffer(f"inverse{i}", None if identity else torch.argsort(order), persistent=False)
+            self.register_buffer(f"keys{i}", keys, persistent=False)
+            self.register_buffer(f"allowed{i}", allowed, persistent=False)
+        assert not left.any(), f"{kind}: the pattern's parts miss some of the mask's keys"
+        kept = (t0 + 1) * ni + int(self_ok.sum()) + sum(int(self.part(i)[3].sum()) for i in range(self.num_parts))
+        assert kept == int(img.sum()), f"{kind}: the pieces hold {kept} scores, the mask {int(img.sum())}"
+        computed = (t0 + 1 + 1) * ni + sum(self.part(i)[3].numel() for i in range(self.num_parts))
+        # the fraction of the n x n score matrix this path computes (text queries: causal over the text)
+        self.computed_fraction = (computed + t0 * (t0 + 1) / 2) / (n * n)
+
+    def part(self, i: int):
+        """(queries or None for identity order, inverse order, keys (g, w), allowed (g, s, w)) of part i."""
+        return (getattr(self, f"queries{i}"), getattr(self, f"inverse{i}"), getattr(self, f"keys{i}"),
+                getattr(self, f"allowed{i}"))  # fmt: skip
+
+
+def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> torch.Tensor:
+    """q, k, v (b, h, n, d) over the whole sequence -> (b, h, n, d), equal to SDPA with the pattern's mask."""
+    b, h, n, d = q.shape
+    t0 = layout.text_len
+    out_text = F.scaled_dot_product_attention(
+        q[:, :, :t0], k[:, :, :t0], v[:, :, :t0], is_causal=True, dropout_p=dropout
+    )
+    # (b * h, ., d) and contiguous: batched matmuls over strided 4-D views fall back to one copy per matrix
+    qi = (q[:, :, t0:] * d**-0.5).reshape(b * h, -1, d)  # the image queries, scaled once
+    k, v = k.reshape(b * h, n, d), v.reshape(b * h, n, d)
+    ni = qi.shape[1]
+    k_self, v_self = k[:, t0:], v[:, t0:]  # each image query's own key and value
+    k_text, v_text = k[:, : t0 + 1], v[:, : t0 + 1]  # bos + text
+    neg = torch.finfo(qi.dtype).min
+    self_score = (qi * k_self).sum(-1, keepdim=True).masked_fill(~layout.self_ok[:, None], neg)
+    scores, widths = [torch.bmm(qi, k_text.transpose(1, 2)), self_score], [t0 + 1, 1]
+    for i in range(layout.num_parts):
+        queries, inverse, keys, allowed = layout.part(i)
+        g, s, w = allowed.shape
+        qp = (qi if queries is None else qi.index_select(1, queries)).reshape(b * h * g, s, d)
+        kp = k.index_select(1, keys.flatten()).view(b * h * g, w, d)
+        sp = torch.bmm(qp, kp.transpose(1, 2)).view(b * h, g, s, w).masked_fill(~allowed, neg).view(b * h, ni, w)
+        scores.append(sp if inverse is None else sp.index_select(1, inverse))  # back in query order
+        widths.append(w)
+    # (b * h, ni, text + 1 + parts); the softmax in at least fp32, as SDPA's kernels do
+    p = torch.cat(scores, -1).softmax(-1, dtype=torch.promote_types(qi.dtype, torch.float32)).to(v.dtype)
+    p = F.dropout(p, dropout) if dropout else p
+    p_text, p_self, *p_parts = p.split(widths, -1)
+    out = torch.baddbmm(p_self * v_self, p_text, v_text)
+    for i, pp in enumerate(p_parts):
+        queries, inverse, keys, allowed = layout.part(i)
+        g, s, w = allowed.shape
+        pp = (pp if queries is None else pp.index_select(1, queries)).reshape(b * h * g, s, w)
+        vp = v.index_select(1, keys.flatten()).view(b * h * g, w, d)
+        op = torch.bmm(pp, vp).view(b * h, ni, d)
+        out = out + (op if inverse is None else op.index_select(1, inverse))
+    return torch.cat([out_text, out.view(b, h, ni, d)], 2)
