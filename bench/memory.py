@@ -45,6 +45,7 @@ def config(args) -> DALLEConfig:
         num_text_tokens=10000,
         num_image_tokens=8192,
         image_fmap_size=args.fmap,
+        attn_types=[args.attn_types],
     )
 
 
@@ -117,7 +118,8 @@ def attention_patterns(args) -> list[tuple[str, float, float, float, float]]:
 def print_memory(args, cfg, results):
     kept, rec = results["kept"], results["recomputed"]
     print(
-        f"DALLE dim {args.dim}, depth {args.depth}, heads {args.heads}, sequence {cfg.seq_len} "
+        f"DALLE dim {args.dim}, depth {args.depth}, heads {args.heads}, attn_types {args.attn_types}, "
+        f"sequence {cfg.seq_len} "
         f"(text {args.text_seq_len} + image {cfg.image_seq_len}), batch {args.batch}, fp32, "
         f"{kept['params_m']:.1f}M parameters, {args.threads} threads"
     )
@@ -143,6 +145,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--attn_types", default="full", help="the model's patterns for the memory figures (full,axial_row)")
     p.add_argument("--patterns_only", action="store_true", help="only the attention patterns' timings")
     p.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one mode, in a subprocess
