@@ -95,23 +95,25 @@ def attention_patterns(args) -> list[tuple[str, float, float, float, float]]:
     n, d = cfg.seq_len, cfg.dim // cfg.heads
     q, k, v = (torch.randn(args.batch, cfg.heads, n, d, requires_grad=True) for _ in range(3))
 
-    def timed(fn, repeats=5):
-        fn().sum().backward()
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn().sum().backward()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    rows = [("full (causal, fused)", (n + 1) / (2 * n), (n + 1) / (2 * n), full, full)]
+    # every variant once per round, rounds repeated: the machine's slow spells fall on all of them alike
+    variants = {"full": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    fractions = {}
     for kind in ATTN_TYPES[1:]:
         mask = attention_mask(kind, cfg.text_seq_len, cfg.image_fmap_size)
         layout = SparseLayout(kind, mask, cfg.text_seq_len, cfg.image_fmap_size)
-        sparse = timed(lambda lay=layout: sparse_attention(q, k, v, lay))
-        dense = timed(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
-        rows.append((kind, mask.float().mean().item(), layout.computed_fraction, sparse, dense))
+        variants[kind] = lambda lay=layout: sparse_attention(q, k, v, lay)
+        variants[kind + " dense"] = lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        fractions[kind] = (mask.float().mean().item(), layout.computed_fraction)
+    times = {name: [] for name in variants}
+    for round_ in range(args.repeats + 1):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn().sum().backward()
+            if round_:  # the first round warms up
+                times[name].append(time.perf_counter() - t)
+    t = {name: statistics.median(ts) for name, ts in times.items()}
+    rows = [("full (causal, fused)", (n + 1) / (2 * n), (n + 1) / (2 * n), t["full"], t["full"])]
+    rows += [(kind, *fractions[kind], t[kind], t[kind + " dense"]) for kind in ATTN_TYPES[1:]]
     return rows
 
 
@@ -145,6 +147,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds of the attention patterns (medians)")
     p.add_argument("--attn_types", default="full", help="the model's patterns for the memory figures (full,axial_row)")
     p.add_argument("--patterns_only", action="store_true", help="only the attention patterns' timings")
     p.add_argument("--checkpoint", action="store_true", help=argparse.SUPPRESS)
