@@ -1,9 +1,13 @@
 """The sparse patterns computed sparsely equal SDPA with their dense masks: outputs and gradients."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_launchers import assert_same, dalle_args, grad_norms, launch, vae_path  # noqa: F401
 
+from dalle_pytorch.files import safe_load
 from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention
 from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask
 
@@ -48,3 +52,27 @@ def test_sparse_is_the_strided_pattern():
     image_keys = [p - text_len - 1 for p in keys if p > text_len]
     assert keys[: text_len + 1] == list(range(text_len + 1))
     assert image_keys == [2, 6, 7, 8, 9]  # column 2 (rows 0, 1) and tokens 6..9 (itself is token 9)
+
+
+SPARSE_TYPES = ["--attn_types", "axial_row,axial_col,conv_like,sparse", "--depth", "4"]
+
+
+@pytest.fixture(scope="module")
+def sparse_reference(vae_path, tmp_path_factory):  # noqa: F811
+    import train_dalle
+
+    path = str(tmp_path_factory.mktemp("sparse_ref"))
+    weights = safe_load(train_dalle.main(dalle_args(vae_path, path, 8, extra=SPARSE_TYPES)))["weights"]
+    return weights, grad_norms(os.path.join(path, "dalle"))
+
+
+@pytest.mark.parametrize(
+    "kind,extra", [("torchrun-fsdp", ["--distributed_backend", "fsdp"]), ("deepspeed", ["--zero_stage", "3"])]
+)
+def test_two_ranks_train_the_patterns_as_one_process(kind, extra, vae_path, sparse_reference, tmp_path):  # noqa: F811
+    """The layouts are buffers of the model: sharded wrappers move them with it and leave them whole."""
+    launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=[*SPARSE_TYPES, *extra]))
+    run = os.path.join(tmp_path, "dalle")
+    weights, norms = sparse_reference
+    assert grad_norms(run) == pytest.approx(norms, rel=1e-4)
+    assert_same(weights, safe_load(os.path.join(run, "dalle.pt"))["weights"])
