@@ -7,7 +7,8 @@ So the scores of an image query are three dense pieces and no masked block is ev
 - self: the query's own key, one dot product per query;
 - parts: the queries are grouped (by image row, or by column) and each group attends to the few image
   keys its members may see, gathered into a (group x keys) block: a batched matmul of small blocks.
-One softmax runs over the pieces side by side; text queries are plain causal attention (SDPA's fused path).
+One softmax runs over the pieces side by side. The text queries attend causally over the text with two
+plain matmuls (at 256 x 256, cheaper than SDPA's fused kernel here).
 
 `SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
 cover exactly the mask's True entries, so this path computes the same function as SDPA with the mask
