@@ -35,6 +35,21 @@ def test_sparse_path_equals_the_dense_mask(kind, text_len, fmap):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_with_fp32_queries_and_keys(dtype):
+    """On CUDA, autocast keeps --qk_norm's LayerNorm in fp32 while the matmuls run in 16 bits: the masking
+    must not assume the scores have q's dtype."""
+    mask = attention_mask("sparse", 5, 4)
+    layout = SparseLayout("sparse", mask, 5, 4)
+    q, k, v = qkv(mask.shape[0], dtype=torch.float32)
+    with torch.autocast("cpu", dtype=dtype):
+        out = sparse_attention(q, k, v.to(dtype), layout)
+    out.float().sum().backward()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k))
+
+
 @pytest.mark.parametrize("kind", SPARSE)
 def test_the_layout_computes_a_fraction_of_full_causal_at_the_dalle_shape(kind):
     """At text 256 + 32x32 image tokens every pattern computes well under the ~50% of the scores that

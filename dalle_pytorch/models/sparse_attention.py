@@ -110,7 +110,9 @@ def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> tor
     ni = qi.shape[1]
     k_self, v_self = k[:, t0:], v[:, t0:]  # each image query's own key and value
     k_text, v_text = k[:, : t0 + 1], v[:, : t0 + 1]  # bos + text
-    neg = torch.finfo(qi.dtype).min
+    # -inf, not a dtype's minimum: under autocast the scores' dtype need not be q's (fp32 after --qk_norm's
+    # LayerNorm, fp16 out of bmm); no softmax row is all masked, as every row sees the text or itself
+    neg = float("-inf")
     st = torch.bmm(qt, k[:, :t0].transpose(1, 2)).masked_fill(~layout.text_causal, neg)
     pt = st.softmax(-1, dtype=torch.promote_types(qt.dtype, torch.float32)).to(v.dtype)
     out_text = torch.bmm(F.dropout(pt, dropout) if dropout else pt, v[:, :t0]).view(b, h, t0, d)
