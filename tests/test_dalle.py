@@ -310,3 +310,12 @@ def test_sharing_refuses_layers_of_different_types_and_fsdp():
     with pytest.raises(ValueError, match="--distributed_backend fsdp shards each block"):
         _check_unshared(model(shared_ff_ids=["0"]).transformer.layers)
     _check_unshared(model().transformer.layers)
+
+
+def test_a_pattern_that_does_not_fit_the_image_grid_is_refused():
+    """conv_like's 5x5 window covers a 3x3 grid, and nothing is sparse about one image token."""
+    with pytest.raises(ValueError, match="--attn_types conv_like does not fit a 3x3 image token grid"):
+        DALLEConfig(attn_types=["full", "conv_like"], image_fmap_size=3)
+    with pytest.raises(ValueError, match="--attn_types axial_row does not fit a 1x1"):
+        DALLEConfig(attn_types=["axial_row"], image_fmap_size=1)
+    DALLEConfig(attn_types=["conv_like"], image_fmap_size=4)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import flag
-from .transformer import ATTN_TYPES, KVCache, Transformer
+from .transformer import ATTN_TYPES, KVCache, Transformer, attention_mask
 
 
 @dataclass
@@ -60,6 +60,14 @@ class DALLEConfig:
         for t in self.attn_types:
             if t not in ATTN_TYPES:
                 raise ValueError(f"--attn_types: unknown type {t!r}; use any of {', '.join(ATTN_TYPES)}")
+        for t in sorted(set(self.attn_types) - {"full"}):
+            grid = attention_mask(t, 0, self.image_fmap_size)
+            if torch.equal(grid, attention_mask("full", 0, self.image_fmap_size)):
+                f = self.image_fmap_size
+                raise ValueError(
+                    f"--attn_types {t} does not fit a {f}x{f} image token grid: it would keep every earlier image "
+                    "token, as full does at more cost; use full, or a VAE with more tokens per side"
+                )
         if self.dim % 4 or self.dim < 4:
             raise ValueError(f"--dim must be a positive multiple of 4 (got {self.dim})")
         if not 0 <= self.null_cond_prob < 1:
