@@ -10,7 +10,9 @@
    scale), FSDP2, Horovod if it was built with CUDA; --checkpoint_activations and --compile;
 3. MFU at a DALL-E-like shape (dim 1024, depth 12, heads 16, text 256 + image 32x32 tokens, bf16, the largest
    batch that fits), against the bf16 matmul peak measured in the same run;
-4. sampling images/s at batch 32 (static cache eager, compiled, compiled with CUDA graphs).
+4. sampling images/s at batch 32 (static cache eager, compiled, compiled with CUDA graphs);
+5. the sparse attention patterns at 1280 tokens in bf16: the sparse path against SDPA with the dense mask
+   (equal within bf16 rounding) and one layer's forward + backward time against full causal attention.
 Every check prints one row of the table; a failing check says FAIL and the run goes on.
 """
 
@@ -34,6 +36,8 @@ from common import matmul_flops, matmul_params, sync  # noqa: E402
 
 from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
 from dalle_pytorch.models.sampling import generate_image_tokens  # noqa: E402
+from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention  # noqa: E402
+from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask  # noqa: E402
 from distributed import StepOptions, Topology, make_backend  # noqa: E402
 
 ROWS: list[tuple[str, str, str]] = []  # (check, result, detail)
@@ -262,6 +266,40 @@ def sampling(device, cpu: bool) -> str:
     return "images/s: " + ", ".join(out)
 
 
+def attention_patterns(device, cpu: bool) -> str:
+    """One attention layer (batch 8, 16 heads of 64, text 256 + image 32x32, bf16), forward + backward: each
+    sparse pattern's speed against full causal attention (SDPA's fused kernel), after checking it equals SDPA
+    with the dense mask."""
+    text_len, fmap, batch, heads = (8, 4, 2, 2) if cpu else (256, 32, 8, 16)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    n = text_len + fmap * fmap
+    q, k, v = (torch.randn(batch, heads, n, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def timed(fn, repeats=10):
+        for _ in range(2):
+            fn().sum().backward()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn().sum().backward()
+        sync(device)
+        return (time.perf_counter() - t) / repeats
+
+    full = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out = []
+    for kind in ATTN_TYPES[1:]:
+        mask = attention_mask(kind, text_len, fmap).to(device)
+        layout = SparseLayout(kind, mask.cpu(), text_len, fmap).to(device)
+        with torch.no_grad():
+            dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            err = (sparse_attention(q, k, v, layout) - dense).abs().max().item()
+        if err > (1e-5 if cpu else 3e-2):
+            raise AssertionError(f"{kind}: the sparse path differs from the dense mask by {err:.1e}")
+        t = timed(lambda lay=layout: sparse_attention(q, k, v, lay))
+        out.append(f"{kind} {full / t:.2f}x")
+    return f"vs full causal ({full * 1e3:.1f} ms): " + ", ".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="the dry run: tiny shapes on the CPU")
@@ -284,6 +322,7 @@ def main(argv=None):
     backends(env, args.cpu)
     guarded("MFU, DALL-E-like shape, bf16")(lambda: mfu(device, args.cpu))()
     guarded("sampling at batch 32")(lambda: sampling(device, args.cpu))()
+    guarded("sparse attention patterns, 1280 tokens, bf16")(lambda: attention_patterns(device, args.cpu))()
     os.makedirs(args.out, exist_ok=True)
     lines = [f"device: {name}, torch {torch.__version__}, {time.perf_counter() - start:.0f}s"]
     lines += [f"{c:52} {r:10} {d}" for c, r, d in ROWS]

@@ -189,3 +189,9 @@ def test_a_clip_that_does_not_fit_is_refused(dalle_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         generate.main(["--dalle_path", dalle_path, "--text", "a", "--keep", "2", "--outputs_dir", str(tmp_path)])
     assert "--keep ranks the images with CLIP: give --clip_path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["text_depth", "image_depth"])
+def test_encoders_need_a_block(flag):
+    with pytest.raises(ValueError, match=f"--{flag} must be at least 1 .got 0."):
+        CLIPConfig(**{flag: 0})

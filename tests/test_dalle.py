@@ -319,3 +319,9 @@ def test_a_pattern_that_does_not_fit_the_image_grid_is_refused():
     with pytest.raises(ValueError, match="--attn_types axial_row does not fit a 1x1"):
         DALLEConfig(attn_types=["axial_row"], image_fmap_size=1)
     DALLEConfig(attn_types=["conv_like"], image_fmap_size=4)
+
+
+@pytest.mark.parametrize("flag", ["depth", "heads", "dim_head"])
+def test_a_model_needs_blocks_and_heads(flag):
+    with pytest.raises(ValueError, match=f"--{flag} must be at least 1 .got 0."):
+        DALLEConfig(**{flag: 0})

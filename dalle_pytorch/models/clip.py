@@ -41,6 +41,9 @@ class CLIPConfig:
             raise ValueError(
                 f"--patch_size must be a power of 2 dividing the image size {self.image_size} (got {self.patch_size})"
             )
+        for name in ("text_depth", "image_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1 (got {getattr(self, name)})")
         for name in ("dim_text", "dim_image"):
             if getattr(self, name) % self.heads:
                 raise ValueError(f"--{name} {getattr(self, name)} must be a multiple of --heads {self.heads}")

@@ -68,6 +68,9 @@ class DALLEConfig:
                     f"--attn_types {t} does not fit a {f}x{f} image token grid: it would keep every earlier image "
                     "token, as full does at more cost; use full, or a VAE with more tokens per side"
                 )
+        for name in ("depth", "heads", "dim_head"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1 (got {getattr(self, name)})")
         if self.dim % 4 or self.dim < 4:
             raise ValueError(f"--dim must be a positive multiple of 4 (got {self.dim})")
         if not 0 <= self.null_cond_prob < 1:
