@@ -75,7 +75,7 @@ class SparseLayout(nn.Module):
             members = holds[queries]  # (g, s, n): which keys each member may see
             used = members.any(1)  # (g, n): the keys the group gathers
             w = max(int(used.sum(1).max()), 1)
-            # each group's keys, padded with key 0 (masked out); a stable sort keeps them in sequence order
+            # each group's keys first, in sequence order (a stable sort), then unused keys as padding (masked out)
             keys = torch.sort((~used).int(), dim=1, stable=True).indices[:, :w]  # (g, w)
             allowed = torch.gather(members, 2, keys[:, None, :].expand(-1, queries.shape[1], -1))  # (g, s, w)
             allowed &= torch.gather(used, 1, keys)[:, None, :]
