@@ -195,3 +195,19 @@ def test_a_clip_that_does_not_fit_is_refused(dalle_path, tmp_path, capsys):
 def test_encoders_need_a_block(flag):
     with pytest.raises(ValueError, match=f"--{flag} must be at least 1 .got 0."):
         CLIPConfig(**{flag: 0})
+
+
+def test_the_evaluation_reranks_with_clip(dalle_path, tmp_path):
+    """python -m dalle_pytorch.eval with --clip_path: plain and reranked rows per split, CLIP's retrieval,
+    and the best rate any reranker could reach with these candidates."""
+    from dalle_pytorch.eval import evaluate
+
+    clip_path = train_clip.main(clip_args(dalle_path, str(tmp_path), 16))
+    args = ["--dalle_path", dalle_path, "--clip_path", clip_path, "--num_images", "3", "--candidates", "4"]
+    d = evaluate.main([*args, "--out", str(tmp_path / "eval")])["dalle"]
+    for split in ("seen", "heldout"):
+        assert d[split]["n"] == 12 and d[f"{split}_reranked"]["n"] == 3
+        best = d["reranking"][f"{split}_best_possible"]
+        assert d[f"{split}_reranked"]["full"]["mean"] <= best <= 1
+    assert 0 <= d["clip_retrieval"]["top1"] <= 1
+    assert "heldout_reranked" in open(tmp_path / "eval" / "results.txt").read()

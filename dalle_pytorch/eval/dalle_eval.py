@@ -48,7 +48,8 @@ def evaluate_dalle(
 ) -> dict:
     """Generated images parsed against their captions, `num_images` captions per split. With `clip_path`,
     each caption gets `candidates` samples: the plain rate is over all of them, the reranked one over the
-    `keep` that CLIP scores highest (DALL-E's reranking)."""
+    `keep` that CLIP scores highest (DALL-E's reranking), and the fraction of captions with at least one
+    fully right candidate (results.json, reranking.SPLIT_best_possible)."""
     dalle, vae, tokenizer = load_dalle(dalle_path)
     clip = None
     if clip_path:
@@ -66,7 +67,7 @@ def evaluate_dalle(
     for split, data_split in (("seen", "train"), ("heldout", "heldout")):
         data = ShapesDataset(num_images, vae.image_size, seed=VALIDATION_SEED + 1, split=data_split)
         captions = [data[i][1] for i in range(num_images)]
-        plain, reranked, grid = [], [], []
+        plain, reranked, grid, any_right = [], [], [], []
         for start in range(0, num_images, captions_per_batch):
             idx = list(range(start, min(start + captions_per_batch, num_images)))
             text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
@@ -79,11 +80,14 @@ def evaluate_dalle(
                 if clip:
                     best = rank_by_clip(clip, clip_tokenizer, captions[i], group).argsort(descending=True)[:keep]
                     reranked += [scores[j] for j in best.tolist()]
+                    any_right.append(any(s["full"] for s in scores))
                     group = group[best]
                 grid.append(group[:1])
         result[split] = summarize(plain)
         if clip:
             result[f"{split}_reranked"] = summarize(reranked)
+            # the rate a perfect reranker would reach (keep 1): below it the reranker loses, above the generator
+            result["reranking"][f"{split}_best_possible"] = sum(any_right) / len(any_right)
         grid = torch.cat(grid)[:64]
         save_image(grid, os.path.join(out, f"generated_{split}.png"), nrow=8, padding=1)
         shown = reranked[::keep] if clip else plain
