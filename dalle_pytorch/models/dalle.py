@@ -60,10 +60,10 @@ class DALLEConfig:
         for t in self.attn_types:
             if t not in ATTN_TYPES:
                 raise ValueError(f"--attn_types: unknown type {t!r}; use any of {', '.join(ATTN_TYPES)}")
-        for t in sorted(set(self.attn_types) - {"full"}):
-            grid = attention_mask(t, 0, self.image_fmap_size)
-            if torch.equal(grid, attention_mask("full", 0, self.image_fmap_size)):
-                f = self.image_fmap_size
+        f, patterns = self.image_fmap_size, sorted(set(self.attn_types) - {"full"})
+        full = attention_mask("full", 0, f) if patterns else None  # the image part alone decides the fit
+        for t in patterns:
+            if torch.equal(attention_mask(t, 0, f), full):
                 raise ValueError(
                     f"--attn_types {t} does not fit a {f}x{f} image token grid: it would keep every earlier image "
                     "token, as full does at more cost; use full, or a VAE with more tokens per side"
