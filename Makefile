@@ -22,7 +22,7 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The default suite: unit tests, then the real launchers on 2 local ranks (about 13 minutes on 2 cores).
+# The default suite: unit tests, then the real launchers on 2 local ranks (11-13 minutes on 2 cores).
 test: install lint
 	$(PY) -m pytest -q -m "not slow"
 
