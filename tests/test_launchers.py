@@ -6,6 +6,7 @@ the same permutation, so both see the same samples per step. Clipping is active 
 norm > --clip_grad_norm), so a backend that clipped unsynchronized per-rank gradients would fail here.
 """
 
+import glob
 import itertools
 import json
 import os
@@ -109,6 +110,9 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
         raise ValueError(kind)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    # DeepSpeed's CPU allreduce segments (66 MB per rank, in RAM) are unlinked by our backend
+    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert not leaked, f"{kind} left shared memory behind: {leaked}"
     return out.stdout
 
 
