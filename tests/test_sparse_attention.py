@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from test_launchers import assert_same, dalle_args, grad_norms, launch, vae_path  # noqa: F401
 
 from dalle_pytorch.files import safe_load
-from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention
+from dalle_pytorch.models.sparse_attention import SparseLayout, _FlashPieces, _sparse_attention_ops, sparse_attention
 from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask
 
 SPARSE = [t for t in ATTN_TYPES if t != "full"]
@@ -19,20 +19,52 @@ def qkv(n, b=2, h=3, d=16, dtype=torch.float64):
     return [torch.randn(b, h, n, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
 
 
+# the CPU's fused pieces, and the plain ops every other device (and attention dropout) uses
+IMPLEMENTATIONS = {"flash_pieces": _FlashPieces.apply, "ops": _sparse_attention_ops}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", SPARSE)
 @pytest.mark.parametrize("text_len, fmap", [(5, 4), (8, 6), (3, 8)])
-def test_sparse_path_equals_the_dense_mask(kind, text_len, fmap):
+def test_sparse_path_equals_the_dense_mask(kind, text_len, fmap, impl):
     mask = attention_mask(kind, text_len, fmap)
     layout = SparseLayout(kind, mask, text_len, fmap)
     q, k, v = qkv(mask.shape[0])
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    sparse = sparse_attention(q, k, v, layout)
+    sparse = IMPLEMENTATIONS[impl](q, k, v, layout)
     torch.testing.assert_close(sparse, dense)
     g = torch.randn_like(dense)
     grads_dense = torch.autograd.grad(dense, (q, k, v), g)
     grads_sparse = torch.autograd.grad(sparse, (q, k, v), g)
     for a, e in zip(grads_sparse, grads_dense):
         torch.testing.assert_close(a, e)
+
+
+def test_the_cpu_takes_the_fused_pieces_unless_there_is_dropout(monkeypatch):
+    mask = attention_mask("axial_row", 5, 4)
+    layout = SparseLayout("axial_row", mask, 5, 4)
+    q, k, v = qkv(mask.shape[0])
+    taken = []
+    monkeypatch.setattr(_FlashPieces, "apply", lambda *a: taken.append(1) or _sparse_attention_ops(*a))
+    sparse_attention(q, k, v, layout)
+    sparse_attention(q, k, v, layout, dropout=0.1)
+    assert taken == [1]
+
+
+@pytest.mark.parametrize("kind", SPARSE)
+def test_the_fused_pieces_in_bf16(kind):
+    """bf16 q, k, v (what autocast gives without --qk_norm) run in the fused kernel's bf16 path; the merge of
+    the pieces happens in fp32."""
+    mask = attention_mask(kind, 8, 6)
+    layout = SparseLayout(kind, mask, 8, 6)
+    q, k, v = qkv(mask.shape[0], dtype=torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    q16, k16, v16 = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    out = sparse_attention(q16, k16, v16, layout)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    for a, e in zip(torch.autograd.grad(out.float().sum(), (q16, k16, v16)), expected_grads):
+        torch.testing.assert_close(a.float(), e, atol=6e-2, rtol=6e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

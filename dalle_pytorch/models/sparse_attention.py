@@ -7,8 +7,9 @@ So the scores of an image query are three dense pieces and no masked block is ev
 - self: the query's own key, one dot product per query;
 - parts: the queries are grouped (by image row, or by column) and each group attends to the few image
   keys its members may see, gathered into a (group x keys) block: a batched matmul of small blocks.
-One softmax runs over the pieces side by side. The text queries attend causally over the text with two
-plain matmuls (at 256 x 256, cheaper than SDPA's fused kernel here).
+One softmax runs over the pieces: on the CPU each piece is one call of SDPA's fused flash kernel and the
+pieces merge by their log-sum-exps (_FlashPieces); elsewhere the scores sit side by side in plain ops.
+The text queries attend causally over the text.
 
 `SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
 cover exactly the mask's True entries, so this path computes the same function as SDPA with the mask
@@ -99,7 +100,17 @@ class SparseLayout(nn.Module):
 
 
 def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> torch.Tensor:
-    """q, k, v (b, h, n, d) over the whole sequence -> (b, h, n, d), equal to SDPA with the pattern's mask."""
+    """q, k, v (b, h, n, d) over the whole sequence -> (b, h, n, d), equal to SDPA with the pattern's mask.
+
+    On the CPU each piece runs in SDPA's fused flash kernel and the pieces merge by their log-sum-exps;
+    elsewhere (and with attention dropout, which that kernel lacks) they are plain batched matmuls."""
+    if _FLASH_CPU is not None and q.device.type == "cpu" and not dropout and q.dtype == k.dtype == v.dtype:
+        return _FlashPieces.apply(q, k, v, layout)
+    return _sparse_attention_ops(q, k, v, layout, dropout)
+
+
+def _sparse_attention_ops(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> torch.Tensor:
+    """sparse_attention as plain ops, on any device: one softmax over the pieces' scores side by side."""
     b, h, n, d = q.shape
     t0 = layout.text_len
     # the text queries: causal attention over the text, small enough that plain matmuls beat SDPA's kernel
@@ -139,3 +150,97 @@ def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> tor
         op = torch.bmm(pp, vp).view(b * h, ni, d)
         out = out + (op if inverse is None else op.index_select(1, inverse))
     return torch.cat([out_text, out.view(b, h, ni, d)], 2)
+
+
+# The CPU flash kernel's forward returns each row's log-sum-exp, and its backward takes the output and the
+# log-sum-exp to differentiate against: given the merged ones, each piece's backward is exactly its share
+# of the whole softmax's gradient (the split-KV merge of ring attention and flash-decoding).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _part_inputs(layout: SparseLayout, i: int, x, k, v):
+    """Part i's queries (or any per-query tensor x (b, h, ni, .)) grouped, and its gathered keys and values:
+    (b * h * ... as (b*h, g, s, .), (b*h, g, w, d), (b*h, g, w, d)), and the float mask (1, g, s, w)."""
+    queries, _, keys, allowed = layout.part(i)
+    b, h, _, d = k.shape
+    g, s, w = allowed.shape
+    group = lambda t: (t if queries is None else t.index_select(2, queries)).reshape(b * h, g, s, -1)  # noqa: E731
+    kp = k.index_select(2, keys.flatten()).view(b * h, g, w, d)
+    vp = v.index_select(2, keys.flatten()).view(b * h, g, w, d)
+    bias = torch.zeros(allowed.shape, dtype=k.dtype, device=k.device).masked_fill(~allowed, float("-inf"))
+    return group, kp, vp, bias[None]
+
+
+def _self_scores(qi, k_self, layout: SparseLayout, scale: float) -> torch.Tensor:
+    acc = torch.promote_types(qi.dtype, torch.float32)
+    return ((qi * k_self).sum(-1) * scale).to(acc).masked_fill(~layout.self_ok, float("-inf"))  # (b, h, ni)
+
+
+class _FlashPieces(torch.autograd.Function):
+    """sparse_attention with every piece in the CPU flash kernel: the text queries causal over the text;
+    each image query over the text, itself, and its parts, merged by log-sum-exp. Saves q, k, v, the output
+    and the log-sum-exps (no probabilities); the gathers are redone in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: SparseLayout):
+        b, h, n, d = q.shape
+        t0, scale = layout.text_len, d**-0.5
+        qi = q[:, :, t0:]
+        out_text, lse_text = _FLASH_CPU(q[:, :, :t0], k[:, :, :t0], v[:, :, :t0], is_causal=True, scale=scale)
+        o, lse = _FLASH_CPU(qi, k[:, :, : t0 + 1], v[:, :, : t0 + 1], scale=scale)
+        outs, lses = [o, v[:, :, t0:]], [lse, _self_scores(qi, k[:, :, t0:], layout, scale)]
+        for i in range(layout.num_parts):
+            _, inverse, _, allowed = layout.part(i)
+            group, kp, vp, bias = _part_inputs(layout, i, qi, k, v)
+            o, lse = _FLASH_CPU(group(qi), kp, vp, attn_mask=bias, scale=scale)
+            lse = lse.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel gives a row without keys lse 0
+            o, lse = o.reshape(b, h, -1, d), lse.reshape(b, h, -1)
+            outs.append(o if inverse is None else o.index_select(2, inverse))
+            lses.append(lse if inverse is None else lse.index_select(2, inverse))
+        lse_image = torch.logsumexp(torch.stack(lses), 0)  # (b, h, ni): the whole row's
+        acc = lse_image.dtype  # at least fp32: the merge is a softmax's normalization
+        out_image = outs[0].to(acc) * (lses[0] - lse_image).exp()[..., None]
+        for o, lse in zip(outs[1:], lses[1:]):
+            out_image = out_image.addcmul_(o.to(acc), (lse - lse_image).exp()[..., None])
+        out = torch.cat([out_text, out_image.to(q.dtype)], 2)
+        ctx.layout = layout
+        ctx.save_for_backward(q, k, v, out, lse_text, lse_image)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse_text, lse_image = ctx.saved_tensors
+        layout = ctx.layout
+        t0, scale = layout.text_len, q.shape[-1] ** -0.5
+        dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        qi, di, oi = q[:, :, t0:], dout[:, :, t0:], out[:, :, t0:]
+        dq[:, :, :t0], dk[:, :, :t0], dv[:, :, :t0] = _FLASH_CPU_BACKWARD(
+            dout[:, :, :t0], q[:, :, :t0], k[:, :, :t0], v[:, :, :t0], out[:, :, :t0], lse_text, 0.0, True, scale=scale
+        )
+        g = _FLASH_CPU_BACKWARD(di, qi, k[:, :, : t0 + 1], v[:, :, : t0 + 1], oi, lse_image, 0.0, False, scale=scale)
+        dq[:, :, t0:] = g[0]
+        dk[:, :, : t0 + 1] += g[1]
+        dv[:, :, : t0 + 1] += g[2]
+        # the self piece by hand: p = exp(s - lse); ds = p (dout . v_self - dout . out), as flash's backward does
+        k_self, v_self = k[:, :, t0:], v[:, :, t0:]
+        p = (_self_scores(qi, k_self, layout, scale) - lse_image).exp()
+        acc = p.dtype
+        ds = p * ((di.to(acc) * (v_self.to(acc) - oi.to(acc))).sum(-1))
+        ds = (ds * scale).to(q.dtype)[..., None]
+        dq[:, :, t0:] += ds * k_self
+        dk[:, :, t0:] += ds * qi
+        dv[:, :, t0:] += p.to(v.dtype)[..., None] * di
+        for i in range(layout.num_parts):
+            _, inverse, keys, _ = layout.part(i)
+            group, kp, vp, bias = _part_inputs(layout, i, qi, k, v)
+            lse = group(lse_image[..., None])[..., 0]
+            dqp, dkp, dvp = _FLASH_CPU_BACKWARD(
+                group(di), group(qi), kp, vp, group(oi), lse, 0.0, False, attn_mask=bias, scale=scale
+            )
+            dqp = dqp.reshape(qi.shape)
+            dq[:, :, t0:] += dqp if inverse is None else dqp.index_select(2, inverse)
+            dk.index_add_(2, keys.flatten(), dkp.reshape(*k.shape[:2], -1, k.shape[-1]))
+            dv.index_add_(2, keys.flatten(), dvp.reshape(*v.shape[:2], -1, v.shape[-1]))
+        return dq, dk, dv, None
