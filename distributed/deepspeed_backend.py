@@ -101,7 +101,10 @@ class DeepSpeedBackend(Backend):
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
         self.collectives = ProcessGroup(self.world_size)
-        self.barrier()  # every rank is past DeepSpeed's init, so it has mapped its peers' shared buffers
+        self._unlink_shm_buffer()
+
+    def _unlink_shm_buffer(self) -> None:
+        self.barrier()  # every rank is past DeepSpeed's communication init: it has mapped its peers' buffers
         unlink_shm_buffer(self.rank)
 
     def teardown(self) -> None:
@@ -138,6 +141,7 @@ class DeepSpeedBackend(Backend):
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=client_optimizer, lr_scheduler=make_scheduler, config=config
         )
+        self._unlink_shm_buffer()  # a process group made before setup() leaves DeepSpeed's init to here
         self.engine = engine
         self.stepper = EngineStepper(engine)
         self.checkpointer = DeepSpeedCheckpointer(self, group_names)

@@ -108,10 +108,13 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
         ]
     else:
         raise ValueError(kind)
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    finally:  # DeepSpeed's CPU allreduce segments (66 MB per rank, in RAM): our backend unlinks them
+        leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+        for path in leaked:
+            os.remove(path)  # a failed run's too, so that failures do not fill the machine's memory
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    # DeepSpeed's CPU allreduce segments (66 MB per rank, in RAM) are unlinked by our backend
-    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     assert not leaked, f"{kind} left shared memory behind: {leaked}"
     return out.stdout
 

@@ -40,6 +40,26 @@ def test_sparse_path_equals_the_dense_mask(kind, text_len, fmap, impl):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.parametrize("layout_of", ["model", "strided_last_dim"])
+def test_any_memory_layout_gives_the_dense_masks_result(layout_of):
+    """q, k, v as the model makes them (views of one (b, n, 3, h, d) projection), and with a strided last
+    dimension, which the flash kernel would misread (the dispatch sends it to the plain ops)."""
+    mask = attention_mask("axial_col", 5, 4)
+    layout = SparseLayout("axial_col", mask, 5, 4)
+    b, h, n, d = 2, 3, mask.shape[0], 16
+    x = torch.randn(b, n, 3, h, d, dtype=torch.float64, requires_grad=True)
+    if layout_of == "model":
+        q, k, v = x.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    else:
+        q, k, v = x.permute(2, 0, 3, 4, 1).contiguous().transpose(-1, -2)  # (b, h, n, d), last stride n
+        assert q.stride(-1) != 1
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    sparse = sparse_attention(q, k, v, layout)
+    torch.testing.assert_close(sparse, dense)
+    g = torch.randn_like(dense)
+    torch.testing.assert_close(torch.autograd.grad(sparse, x, g)[0], torch.autograd.grad(dense, x, g)[0])
+
+
 def test_the_cpu_takes_the_fused_pieces_unless_there_is_dropout(monkeypatch):
     mask = attention_mask("axial_row", 5, 4)
     layout = SparseLayout("axial_row", mask, 5, 4)

@@ -7,8 +7,9 @@ So the scores of an image query are three dense pieces and no masked block is ev
 - self: the query's own key, one dot product per query;
 - parts: the queries are grouped (by image row, or by column) and each group attends to the few image
   keys its members may see, gathered into a (group x keys) block: a batched matmul of small blocks.
-One softmax runs over the pieces: on the CPU each piece is one call of SDPA's fused flash kernel and the
-pieces merge by their log-sum-exps (_FlashPieces); elsewhere the scores sit side by side in plain ops.
+One softmax runs over the pieces: on the CPU the text and each part are one call of SDPA's fused flash
+kernel, the self scores a dot product, and the pieces merge by their log-sum-exps (_FlashPieces); elsewhere
+the scores sit side by side in plain ops.
 The text queries attend causally over the text.
 
 `SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 # how each pattern's image keys split into parts: (query grouping, which allowed image keys the part holds).
 # Half-row groups (16 queries) keep conv_like's gathered windows small: 3 rows x 20 columns instead of 3 x 32.
@@ -104,7 +106,7 @@ def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> tor
 
     On the CPU each piece runs in SDPA's fused flash kernel and the pieces merge by their log-sum-exps;
     elsewhere (and with attention dropout, which that kernel lacks) they are plain batched matmuls."""
-    if _FLASH_CPU is not None and q.device.type == "cpu" and not dropout and q.dtype == k.dtype == v.dtype:
+    if _fused_cpu(q, k, v) and not dropout:
         return _FlashPieces.apply(q, k, v, layout)
     return _sparse_attention_ops(q, k, v, layout, dropout)
 
@@ -113,7 +115,7 @@ def _sparse_attention_ops(q, k, v, layout: SparseLayout, dropout: float = 0.0) -
     """sparse_attention as plain ops, on any device: one softmax over the pieces' scores side by side."""
     b, h, n, d = q.shape
     t0 = layout.text_len
-    # the text queries: causal attention over the text, small enough that plain matmuls beat SDPA's kernel
+    # the text queries: causal attention over the text, in two plain matmuls
     qt = (q[:, :, :t0] * d**-0.5).reshape(b * h, t0, d)
     # (b * h, ., d) and contiguous: batched matmuls over strided 4-D views fall back to one copy per matrix
     qi = (q[:, :, t0:] * d**-0.5).reshape(b * h, -1, d)  # the image queries, scaled once
@@ -159,6 +161,13 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
+def _fused_cpu(q, k, v) -> bool:
+    """Whether the CPU flash kernel can serve: one dtype, and packed last dimensions (the raw op does not
+    check them, SDPA does before choosing it)."""
+    same = q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    return _FLASH_CPU is not None and q.device.type == "cpu" and same
+
+
 def _part_inputs(layout: SparseLayout, i: int, x, k, v):
     """Part i's queries (or any per-query tensor x (b, h, ni, .)) grouped, and its gathered keys and values:
     (b * h * ... as (b*h, g, s, .), (b*h, g, w, d), (b*h, g, w, d)), and the float mask (1, g, s, w)."""
@@ -173,8 +182,8 @@ def _part_inputs(layout: SparseLayout, i: int, x, k, v):
 
 
 def _self_scores(qi, k_self, layout: SparseLayout, scale: float) -> torch.Tensor:
-    acc = torch.promote_types(qi.dtype, torch.float32)
-    return ((qi * k_self).sum(-1) * scale).to(acc).masked_fill(~layout.self_ok, float("-inf"))  # (b, h, ni)
+    acc = torch.promote_types(qi.dtype, torch.float32)  # as the kernel's scores for the other pieces
+    return ((qi.to(acc) * k_self.to(acc)).sum(-1) * scale).masked_fill(~layout.self_ok, float("-inf"))  # (b, h, ni)
 
 
 class _FlashPieces(torch.autograd.Function):
@@ -203,18 +212,23 @@ class _FlashPieces(torch.autograd.Function):
         out_image = outs[0].to(acc) * (lses[0] - lse_image).exp()[..., None]
         for o, lse in zip(outs[1:], lses[1:]):
             out_image = out_image.addcmul_(o.to(acc), (lse - lse_image).exp()[..., None])
-        out = torch.cat([out_text, out_image.to(q.dtype)], 2)
+        # in q's memory order, as SDPA's output: the (b, h, n, d) -> (b, n, h * d) reshape after it is a view
+        out = torch.empty_like(q)
+        out[:, :, :t0], out[:, :, t0:] = out_text, out_image
         ctx.layout = layout
         ctx.save_for_backward(q, k, v, out, lse_text, lse_image)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse_text, lse_image = ctx.saved_tensors
         layout = ctx.layout
         t0, scale = layout.text_len, q.shape[-1] ** -0.5
         dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # the pieces' gradients summed in at least fp32, rounded to the inputs' dtype once
+        acc = lse_image.dtype
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v))
         qi, di, oi = q[:, :, t0:], dout[:, :, t0:], out[:, :, t0:]
         dq[:, :, :t0], dk[:, :, :t0], dv[:, :, :t0] = _FLASH_CPU_BACKWARD(
             dout[:, :, :t0], q[:, :, :t0], k[:, :, :t0], v[:, :, :t0], out[:, :, :t0], lse_text, 0.0, True, scale=scale
@@ -226,12 +240,10 @@ class _FlashPieces(torch.autograd.Function):
         # the self piece by hand: p = exp(s - lse); ds = p (dout . v_self - dout . out), as flash's backward does
         k_self, v_self = k[:, :, t0:], v[:, :, t0:]
         p = (_self_scores(qi, k_self, layout, scale) - lse_image).exp()
-        acc = p.dtype
-        ds = p * ((di.to(acc) * (v_self.to(acc) - oi.to(acc))).sum(-1))
-        ds = (ds * scale).to(q.dtype)[..., None]
+        ds = (p * (di.to(acc) * (v_self.to(acc) - oi.to(acc))).sum(-1) * scale)[..., None]
         dq[:, :, t0:] += ds * k_self
         dk[:, :, t0:] += ds * qi
-        dv[:, :, t0:] += p.to(v.dtype)[..., None] * di
+        dv[:, :, t0:] += p[..., None] * di
         for i in range(layout.num_parts):
             _, inverse, keys, _ = layout.part(i)
             group, kp, vp, bias = _part_inputs(layout, i, qi, k, v)
@@ -241,6 +253,6 @@ class _FlashPieces(torch.autograd.Function):
             )
             dqp = dqp.reshape(qi.shape)
             dq[:, :, t0:] += dqp if inverse is None else dqp.index_select(2, inverse)
-            dk.index_add_(2, keys.flatten(), dkp.reshape(*k.shape[:2], -1, k.shape[-1]))
-            dv.index_add_(2, keys.flatten(), dvp.reshape(*v.shape[:2], -1, v.shape[-1]))
-        return dq, dk, dv, None
+            dk.index_add_(2, keys.flatten(), dkp.reshape(*k.shape[:2], -1, k.shape[-1]).to(acc))
+            dv.index_add_(2, keys.flatten(), dvp.reshape(*v.shape[:2], -1, v.shape[-1]).to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
