@@ -9,12 +9,11 @@ Per mode, a fresh process trains a few steps and reports: the bytes autograd kee
 of the forward (the activations; exact), the process's peak resident memory (weights, gradients, Adam,
 activations, allocator slack), and the step time (the median of the timed steps); a third process alternates
 the two modes step by step for the step-time ratio, so that the machine's slow spells fall on both alike.
-Then one attention layer's
-forward + backward for each pattern, computed sparsely (what training runs: on the CPU the pieces in SDPA's
-fused kernel, merged by log-sum-exp), as the same pieces in plain ops (what other devices run) and as SDPA
-with the dense mask (the fallback), against full causal attention, with the fraction of the score matrix
-each pattern keeps and the fraction the sparse path computes (its bound on the speed-up: full causal
-computes ~50%).
+Then one attention layer's forward + backward for each pattern, computed sparsely (what training runs: on
+the CPU the pieces in SDPA's fused kernel, merged by log-sum-exp), as the same pieces in plain ops (what
+other devices run) and as SDPA with the dense mask (the fallback), against full causal attention, with the
+fraction of the score matrix each pattern keeps and the fraction the sparse path computes (its bound on the
+speed-up: full causal computes ~50%).
 """
 
 from __future__ import annotations
