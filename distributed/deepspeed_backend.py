@@ -33,27 +33,16 @@ def free_device_bytes(local_world_size: int) -> float:
     return info.get("MemAvailable", info["MemTotal"]) / max(local_world_size, 1)
 
 
-def unlink_shm_buffer(rank: int) -> bool:
+def unlink_shm_buffer(rank: int) -> None:
     """Remove this rank's name of DeepSpeed's shared-memory allreduce buffer, if it made one.
 
     With every rank on one host, DeepSpeed's CPU communication (ops/csrc/cpu/comm/shm.cpp) creates a 66 MB
     POSIX shared-memory segment per rank and never unlinks it: each run leaves its segments in /dev/shm,
     which is RAM, until the host runs out (21 GB here after a day of test runs). Once every rank has mapped
     its peers' segments the names are not needed; the memory goes when the last process unmaps it."""
-    name = "_".join(
-        [
-            "deepspeed_allreduce_buffer",
-            str(os.getuid()),
-            os.environ.get("MASTER_ADDR", ""),
-            os.environ.get("MASTER_PORT", ""),
-        ]
-    )
-    path = os.path.join("/dev/shm", f"{name}_{rank}")
-    try:
-        os.remove(path)
-        return True
-    except FileNotFoundError:
-        return False
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    with contextlib.suppress(FileNotFoundError):  # shm.cpp's name: prefix_uid_addr_port_rank
+        os.remove(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
 class EngineStepper:
