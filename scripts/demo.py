@@ -20,6 +20,7 @@ import train_dalle  # noqa: E402
 import train_vae  # noqa: E402
 from dalle_pytorch.eval import evaluate  # noqa: E402
 
+DALLE_BATCH = 32
 CAPTIONS = (
     "a large red circle on the left|a small blue triangle above a large yellow square|a big green square in the center"
 )
@@ -50,6 +51,12 @@ def main(argv=None):
             "0",
             "--sample_every",
             "400",
+            # a fresh sample for every step (the built-in data is free): repeating 20000 samples 3 times over the
+            # same steps drew held-out colour-shape pairs worse (1000 held-out captions: 42% fully right, not 47%)
+            "--dataset_size",
+            str(args.dalle_steps * DALLE_BATCH),
+            "--batch_size",
+            str(DALLE_BATCH),
             # a narrower model than the default (dim 256) takes more steps in the CPU budget, which pays here
             "--dim",
             "192",
