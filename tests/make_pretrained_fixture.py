@@ -3,9 +3,12 @@
     .venv/bin/pip install --no-deps taming-transformers-rom1504==0.0.6 DALL-E==0.1 attrs   # make install does
     .venv/bin/python tests/make_pretrained_fixture.py
 
-The weights are not stored: they are regenerated from a seed by tests/pretrained_refs.random_weights (the
-fixture keeps their names, shapes and a hash), so the file stays small. test_pretrained.py compares our
-re-implementations with it even where the upstream packages are not installed.
+The weights are not stored: they are regenerated from a seed by tests/pretrained_refs.random_weights, whose
+values are exact (integer draws times powers of two), so the same on every CPU; the fixture keeps their names,
+shapes and a hash of the integer draws, and stays small. Beside each case's codes it keeps each code's margin
+over the runner-up in the upstream model's own scores, so that test_pretrained.py can tell which codes another
+CPU must reproduce exactly. test_pretrained.py compares our re-implementations with it even where the
+upstream packages are not installed.
 """
 
 import hashlib
@@ -19,10 +22,13 @@ from pretrained_refs import (  # noqa: E402
     FULL_SIZE,
     VQGAN_DDCONFIG,
     block_images,
+    dall_e_margins,
     dall_e_models,
     dall_e_tokenize,
+    integer_draws,
     random_weights,
     shapes_of,
+    taming_margins,
     taming_model,
     taming_tokenize,
 )
@@ -31,10 +37,13 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "pret
 SMALL_DDCONFIG = {**VQGAN_DDCONFIG, "resolution": 16, "attn_resolutions": [8]}  # 16x16 images keep it small
 
 
-def weights_hash(weights: dict) -> str:
+def draws_hash(shapes: dict, seed: int) -> str:
+    """sha1 of the integer draws behind random_weights (integers: no CPU's kernels change them; a new torch
+    whose RNG draws other integers does)."""
     h = hashlib.sha1()
-    for k in sorted(weights):
-        h.update(k.encode() + weights[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    draws = integer_draws(shapes, seed)
+    for k in sorted(draws):
+        h.update(k.encode() + draws[k].to(torch.int64).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -55,9 +64,10 @@ def main():
             "target": "taming.models.vqgan." + ("GumbelVQ" if gumbel else "VQModel"),
             "seed": seed,
             "shapes": {k: list(v) for k, v in shapes.items()},
-            "weights_sha1": weights_hash(weights),
+            "draws_sha1": draws_hash(shapes, seed),
             "images": images,
             "codes": codes,
+            "margins": taming_margins(model, images, gumbel),
             "decoded": decoded,
         }
     enc, dec = dall_e_models()
@@ -73,9 +83,10 @@ def main():
     cases["openai"] = {
         "seed": 2,
         "shapes": {k: list(v) for k, v in shapes.items()},
-        "weights_sha1": weights_hash(weights),
+        "draws_sha1": draws_hash(shapes, 2),
         "images": images,
         "codes": codes,
+        "margins": dall_e_margins(enc, images),
         "decoded": decoded,
     }
     # names and shapes of the released models' weights, so that full-size configs are checked too

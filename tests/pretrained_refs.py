@@ -9,6 +9,7 @@ again. OpenAI's DALL-E (`pip install --no-deps DALL-E==0.1` + attrs) imports as 
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 import types
 
@@ -35,27 +36,46 @@ FULL_SIZE = {"vqgan": (F16_DDCONFIG, 16384, 256), "gumbel_vqgan": (F8_DDCONFIG, 
 OPENAI_SIZES = dict(n_hid=64, n_blk_per_group=1, vocab_size=512, n_init=32)  # the package's minimum sizes
 
 
-def random_weights(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic weights for the given names and shapes: fan-in scaled matrices, codebooks ~ N(0, 1),
-    norm scales ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2); codes come out varied instead of collapsed.
-
-    The dVAE's input convs (`blocks.input.w`) get zero-mean filters: otherwise the mean brightness that every
-    image shares dominates the encoder's features and 64 codes take about 5 distinct values."""
+def integer_draws(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+    """Integers behind `random_weights`: per name, the sum of 4 draws from [-64, 64] (an Irwin-Hall bell,
+    std 74.5, |k| <= 256). torch's integer RNG does no float arithmetic, so these are the same on every CPU."""
     g = torch.Generator().manual_seed(seed)
+    return {
+        name: sum(torch.randint(-64, 65, tuple(shapes[name]), generator=g) for _ in range(4)) for name in sorted(shapes)
+    }
+
+
+def _power_of_two_scale(std: float) -> float:
+    """The power of two nearest to std / 74.5 (the draws' std): multiplying by it is exact in float32."""
+    return 2.0 ** round(math.log2(std / 74.5))
+
+
+def random_weights(shapes: dict[str, tuple], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic weights for the given names and shapes: fan-in scaled matrices, codebooks ~ unit scale,
+    norm scales ~ 1 +- 0.1, biases ~ +- 0.1; codes come out varied instead of collapsed.
+
+    Every value is exactly k * 2**-e for an integer draw k (`integer_draws`) and a power of two per kind of
+    tensor, so the same seed gives the same bits on every CPU. Weights drawn with torch.randn and divided by a
+    reduction did not: randn's vectorized log/cos and the order of a mean's sums differ between AVX2 and
+    AVX-512 kernels, and a fixture hash recorded on one CPU failed on another.
+
+    The dVAE's input convs (`blocks.input.w`) get zero-mean filters (their integer mean, rounded, subtracted):
+    otherwise the mean brightness that every image shares dominates the encoder's features and 64 codes take
+    about 5 distinct values."""
     out = {}
-    for name in sorted(shapes):
-        shape = tuple(shapes[name])
-        x = torch.randn(shape, generator=g)
+    for name, k in integer_draws(shapes, seed).items():
+        shape = tuple(k.shape)
+        fan_in = math.prod(shape[1:])
         if name.endswith("blocks.input.w"):
-            out[name] = (x - x.mean(dim=(1, 2, 3), keepdim=True)) / torch.tensor(shape[1:]).prod().float().sqrt()
-        elif "embed" in name:
-            out[name] = x
+            k = k - torch.div(k.sum(dim=(1, 2, 3), keepdim=True), fan_in, rounding_mode="floor")
+        if "embed" in name:
+            out[name] = k.float() * _power_of_two_scale(1.0)
         elif len(shape) > 1:
-            out[name] = x / (torch.tensor(shape[1:]).prod().float().sqrt())
+            out[name] = k.float() * _power_of_two_scale(fan_in**-0.5)
         elif name.endswith("weight"):
-            out[name] = 1 + 0.1 * x
+            out[name] = 1 + k.float() * _power_of_two_scale(0.1)
         else:
-            out[name] = 0.1 * x
+            out[name] = k.float() * _power_of_two_scale(0.1)
     return out
 
 
@@ -125,6 +145,35 @@ def taming_tokenize(model, images01: torch.Tensor, gumbel: bool):
     z = model.quantize.get_codebook_entry(codes.reshape(-1), (b, h, w, dim))
     decoded = model.decode(z)
     return codes.reshape(b, -1), (decoded.clamp(-1, 1) + 1) * 0.5
+
+
+def top2_margin(scores: torch.Tensor, dim: int) -> torch.Tensor:
+    """How far the chosen code's score is ahead of the runner-up's, per position (b, h*w): where it is small, a
+    CPU whose kernels sum in another order may pick the other code, and a comparison of codes across machines
+    must not count that position. `scores` has the codes along `dim`; the result has that dimension removed."""
+    top2 = scores.topk(2, dim=dim).values
+    return (top2.narrow(dim, 0, 1) - top2.narrow(dim, 1, 1)).squeeze(dim)
+
+
+@torch.no_grad()
+def taming_margins(model, images01: torch.Tensor, gumbel: bool) -> torch.Tensor:
+    """The margin of each position's code in taming's own scores: Gumbel-VQ logits, or minus the squared
+    distances that VectorQuantizer2 takes its argmin of."""
+    h = model.quant_conv(model.encoder(images01 * 2 - 1))  # (b, c, h, w): both classes' encode_to_prequant
+    if gumbel:
+        return top2_margin(model.quantize.proj(h), dim=1).flatten(1)
+    b, c, hh, ww = h.shape
+    z = h.permute(0, 2, 3, 1).reshape(-1, c)
+    e = model.quantize.embedding.weight
+    d = z.pow(2).sum(1, keepdim=True) + e.pow(2).sum(1) - 2 * z @ e.t()  # (b*h*w, n_embed)
+    return top2_margin(-d, dim=1).reshape(b, hh * ww)
+
+
+@torch.no_grad()
+def dall_e_margins(enc, images01: torch.Tensor) -> torch.Tensor:
+    from dall_e import map_pixels
+
+    return top2_margin(enc(map_pixels(images01)), dim=1).flatten(1)
 
 
 def dall_e_models(**sizes):

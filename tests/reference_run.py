@@ -81,8 +81,11 @@ def main(reference_dir: str, out: str, case: str, text_vocab: str) -> None:
     dalle.eval()
     with torch.no_grad():
         codes = vae.get_codebook_indices(images)
+        top2 = vae(images, return_logits=True).topk(2, dim=1).values  # (b, 2, h, w)
+        margins = (top2[:, 0] - top2[:, 1]).flatten(1)  # how far each code is ahead of the runner-up
         logits = dalle(text, codes)  # (b, text + image positions, all tokens), masked with -max
-    torch.save({"images": images, "text": text, "codes": codes, "logits": logits}, os.path.join(out, "expected.pt"))
+    expected = {"images": images, "text": text, "codes": codes, "margins": margins, "logits": logits}
+    torch.save(expected, os.path.join(out, "expected.pt"))
     with open(os.path.join(out, "case.json"), "w") as f:
         json.dump({"case": case, "hparams": {k: list(v) if isinstance(v, tuple) else v for k, v in hparams.items()}}, f)
 

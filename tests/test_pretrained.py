@@ -88,12 +88,32 @@ def reference():
     return torch.load(FIXTURE, weights_only=True)
 
 
-def _regenerate(case):
-    from make_pretrained_fixture import weights_hash
+# The fixture's codes and images were computed by the upstream packages on another CPU, whose convolution
+# kernels sum in another order: between this machine's AVX-512, AVX2 and SSE4.1 kernels (ATEN_CPU_CAPABILITY,
+# ONEDNN_MAX_CPU_ISA) the encoders' scores moved by up to 3.3e-6 and the decoded images by up to 3.6e-6.
+# A code must match where the upstream model chose it by more than MARGIN (300x that) over the runner-up; the
+# decoded images within DECODED_ATOL (28x that), while a weight mapped wrongly moves them by 1e-2 or more.
+MARGIN = 1e-3
+DECODED_ATOL = 1e-4
 
-    weights = random_weights({k: tuple(v) for k, v in case["shapes"].items()}, case["seed"])
-    assert weights_hash(weights) == case["weights_sha1"], "torch's RNG changed: rerun tests/make_pretrained_fixture.py"
-    return weights
+
+def _regenerate(case):
+    from make_pretrained_fixture import draws_hash
+
+    shapes = {k: tuple(v) for k, v in case["shapes"].items()}
+    new_draws = "torch's integer RNG draws other numbers than when the fixture was written"
+    assert draws_hash(shapes, case["seed"]) == case["draws_sha1"], (
+        f"{new_draws}: rerun tests/make_pretrained_fixture.py"
+    )
+    return random_weights(shapes, case["seed"])
+
+
+def _check_against_fixture(vae, case):
+    codes = vae.get_codebook_indices(case["images"])
+    decided = case["margins"] > MARGIN
+    assert case["codes"].unique().numel() > 8 and decided.float().mean() > 0.9  # the comparison means something
+    assert torch.equal(codes[decided], case["codes"][decided])
+    torch.testing.assert_close(vae.decode(case["codes"]), case["decoded"], atol=DECODED_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
@@ -103,10 +123,7 @@ def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
     ckpt, config = write_vqgan(tmp_path, weights, case["ddconfig"], case["n_embed"], case["embed_dim"], kind != "vqgan")
     vae, record = load_vqgan(ckpt, config)
     assert record["kind"] == kind and vae.fmap_size == 8 and vae.num_tokens == 64 and vae.image_size == 16
-    codes = vae.get_codebook_indices(case["images"])
-    assert codes.unique().numel() > 8  # the comparison means something
-    assert torch.equal(codes, case["codes"])
-    torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
+    _check_against_fixture(vae, case)
     torch.save(weights, tmp_path / "plain.pt")  # a plain state dict, extracted from the checkpoint, reads too
     assert load_vqgan(str(tmp_path / "plain.pt"), config)[1]["fingerprint"] == record["fingerprint"]
 
@@ -116,10 +133,7 @@ def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
     directory = write_openai(tmp_path, *split(_regenerate(case)))
     vae, record = load_openai(directory, image_size=32)
     assert record["kind"] == "openai" and vae.fmap_size == 4 and vae.num_tokens == 512
-    codes = vae.get_codebook_indices(case["images"])
-    assert codes.unique().numel() > 8  # the comparison means something
-    assert torch.equal(codes, case["codes"])
-    torch.testing.assert_close(vae.decode(codes), case["decoded"], atol=1e-5, rtol=0)
+    _check_against_fixture(vae, case)
 
 
 @pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])

@@ -25,6 +25,13 @@ CACHE = os.environ.get("DALLE_CACHE") or os.path.expanduser("~/.cache/dalle-pyto
 REFERENCE_DIR = os.path.join(CACHE, "reference", "dalle-pytorch-1.6.6")
 LIVE = os.path.exists(os.path.join(REFERENCE_DIR, "dalle_pytorch", "dalle_pytorch.py"))
 CASES = ("plain", "shift_sandwich", "shared")
+# Without the package, ours runs here against what the predecessor computed on another CPU. Between this
+# machine's AVX-512, AVX2 and SSE4.1 kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), and between the
+# two implementations, the logits differed by at most 8.3e-7: LOGITS_ATOL is 12x that, while a weight mapped
+# wrongly moves them by 1e-2 or more. Codes are argmaxes: from the fixture, only those that the predecessor
+# chose by more than MARGIN (its logits are at most 6.6) must be the same; live, on this machine, all of them.
+LOGITS_ATOL = 1e-5
+MARGIN = 1e-4
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -49,17 +56,21 @@ def _check_logits(dalle, expected):
     theirs = expected["logits"]
     allowed = torch.isfinite(ours)
     assert torch.equal(allowed, theirs > -1e30), "text and image positions predict different vocabularies"
-    torch.testing.assert_close(ours[allowed], theirs[allowed], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[allowed], theirs[allowed], rtol=0, atol=LOGITS_ATOL)
+
+
+def _check_codes(vae, expected):
+    codes = vae.get_codebook_indices(expected["images"])
+    decided = torch.ones_like(codes, dtype=torch.bool) if LIVE else expected["margins"] > MARGIN
+    assert len(codes.unique()) >= 8 and decided.float().mean() > 0.9  # varied codes, so equality says something
+    assert torch.equal(codes[decided], expected["codes"][decided])
 
 
 def test_vae_gives_the_same_codes(reference, tmp_path):
     out = str(tmp_path / "vae.pt")
     convert.main(["--from_reference", os.path.join(reference, "vae.pt"), "--out", out])
     vae = vae_from_export(load_export(out, "vae"))
-    expected = _expected(reference)
-    codes = vae.get_codebook_indices(expected["images"])
-    assert torch.equal(codes, expected["codes"])
-    assert len(codes.unique()) >= 8  # varied codes, so equality says something
+    _check_codes(vae, _expected(reference))
 
 
 def test_dalle_gives_the_same_logits(reference, tmp_path):
@@ -67,8 +78,8 @@ def test_dalle_gives_the_same_logits(reference, tmp_path):
     convert.main(["--from_reference", os.path.join(reference, "dalle.pt"), "--out", out, "--bpe_path", BPE])
     dalle, vae, tokenizer = load_dalle(out)
     expected = _expected(reference)
-    assert torch.equal(vae.get_codebook_indices(expected["images"]), expected["codes"])
-    _check_logits(dalle, expected)
+    _check_codes(vae, expected)
+    _check_logits(dalle, expected)  # from the predecessor's codes, so a code chosen otherwise changes nothing
     # the predecessor fed YouTokenToMe ids as they came, without lowercasing
     assert tokenizer.encode("A Cat") != tokenizer.encode("a cat")
 
