@@ -8,12 +8,11 @@ builds the parser from the dataclasses (and adds each backend's own options), so
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 
-import predecessor_flags
-from dalle_pytorch.config import flag
+from dalle_pytorch.compat import flags as predecessor_flags
+from dalle_pytorch.config import add_flags, flag, take
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -97,7 +96,6 @@ class TrainConfig:
             precision=self.precision,
             accumulation_steps=self.accumulation_steps(world_size),
             clip_grad_norm=self.clip_grad_norm,
-            micro_batch=self.batch_size,
             initial_scale_power=self.initial_scale_power,
             loss_scale_window=self.loss_scale_window,
         )
@@ -118,30 +116,9 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------------------- parsing
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
-    group = parser.add_argument_group(title)
-    for f in dataclasses.fields(cls):
-        if "help" not in f.metadata:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = {"help": f"{f.metadata['help']} (default: {default})", "default": default}
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        if isinstance(default, bool):
-            kw["action"] = argparse.BooleanOptionalAction
-        elif isinstance(default, (list, tuple)):
-            kw["nargs"] = "+"
-            kw["type"] = type(default[0]) if default else str
-        elif default is not None:
-            kw["type"] = type(default)
-        else:
-            kw["type"] = str
-        group.add_argument(f"--{f.name}", **kw)
-
-
 class Parser(argparse.ArgumentParser):
     """A trainer's parser; with `predecessor` set (train_vae, train_dalle) it also reads that script's flags of
-    lucidrains' DALLE-pytorch 1.6 and turns them into ours (predecessor_flags.py)."""
+    lucidrains' DALLE-pytorch 1.6 and turns them into ours (dalle_pytorch/compat/flags.py)."""
 
     predecessor: str | None = None
 
@@ -151,10 +128,11 @@ class Parser(argparse.ArgumentParser):
         args = sys.argv[1:] if args is None else list(args)
         bare_lr_decay = LR_DECAYS if self.predecessor == "train_dalle" else ()  # its train_vae had no --lr_decay
         ns = super().parse_args(predecessor_flags.rewrite_argv(args, bare_lr_decay), namespace)
-        say = print if topology_from_env().rank == 0 else (lambda *_: None)
+        topology = topology_from_env()
+        say = print if topology.rank == 0 else (lambda *_: None)
         given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
         try:
-            predecessor_flags.apply(ns, self.predecessor, say, given)
+            predecessor_flags.apply(ns, self.predecessor, say, given, topology.world_size)
         except ValueError as e:  # before the scripts' user_errors: the same one line
             self.exit(2, f"error: {e}\n")
         return ns
@@ -164,18 +142,13 @@ def build_parser(description: str, *configs: tuple[type, str], extra=None, prede
     parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     for cls, title in (*configs, *((cls, f"{name} backend") for name, cls in BACKEND_OPTIONS.items())):
-        _add_fields(parser, cls, title)
+        add_flags(parser, cls, title)
     if extra:
         extra(parser)
     if predecessor:
         parser.predecessor = predecessor
         predecessor_flags.add_flags(parser, predecessor)
     return parser
-
-
-def take(ns: argparse.Namespace, cls):
-    """The dataclass `cls` filled from the parsed flags that name its fields."""
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
 
 def take_backend_options(ns: argparse.Namespace) -> dict:

@@ -54,8 +54,8 @@ def main(argv=None):
 def _train(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, cfg: TrainConfig, backend_options: dict):
     from dalle_pytorch.data.tokenized import tokenized
     from dalle_pytorch.data.tokenizer import tokenizer_from_dict
+    from dalle_pytorch.inference.fits import dalle_fit
     from dalle_pytorch.training.clip_task import CLIPTask
-    from dalle_pytorch.training.export import dalle_fit
     from dalle_pytorch.training.loop import train
     from dalle_pytorch.training.session import distributed_run, run_dataset, run_text_tokenizer
 

@@ -175,8 +175,7 @@ _TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weigh
 def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig):
     """(export, its model config with the training-only flags given, image tokenizer, its export or record,
     its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
-    from dalle_pytorch.training.build import tokenizer_fingerprint
-    from dalle_pytorch.training.export import start_of
+    from dalle_pytorch.training.build import start_of, tokenizer_fingerprint
 
     given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
     if given:

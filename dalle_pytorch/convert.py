@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 
 from distributed import read_weights
 
+from .compat.weights import is_predecessor, predecessor_export
+from .config import add_flags, flag, take
 from .data.build import build_text_tokenizer
 from .errors import user_errors
 from .files import safe_load
-from .training.build import load_image_tokenizer
-from .training.export import from_reference, save_export, start_of
-from .training.reference import is_reference
+from .inference.export import save_export
+from .training.build import load_image_tokenizer, start_of
 
 
 def convert(ckpt_dir: str, out: str) -> str:
@@ -54,44 +56,47 @@ def convert(ckpt_dir: str, out: str) -> str:
     return out
 
 
-def convert_reference(path: str, out: str, **reference) -> str:
+def convert_predecessor(path: str, out: str, **predecessor) -> str:
     """A dalle-pytorch 1.6 vae.pt or dalle.pt -> our export; a pretrained image tokenizer inside a DALLE is
     written beside it (OUT.tokenizer/)."""
     obj = safe_load(path)
-    if not is_reference(obj):
+    if not is_predecessor(obj):
         raise ValueError(f"{path} is not a dalle-pytorch checkpoint (no hparams and weights): drop --from_reference")
     kind = "dalle" if "vae_params" in obj else "vae"
     files_dir = os.path.splitext(os.path.abspath(out))[0] + ".tokenizer"
-    export = from_reference(obj, path, kind, files_dir=files_dir, **reference)
+    export = predecessor_export(obj, path, kind, files_dir=files_dir, **predecessor)
     save_export(
         out, kind, export["config"], export["weights"], **{k: export[k] for k in ("vae", "tokenizer") if k in export}
     )
     return out
 
 
+@dataclass
+class ConvertConfig:
+    checkpoint: str = flag("", "a checkpoint directory: RUN_DIR/checkpoints/step-XXXXXXXX", positional=True)
+    from_reference: str = flag("", "a vae.pt or dalle.pt written by lucidrains' dalle-pytorch 1.6")
+    out: str = flag("", "the export to write (vae.pt or dalle.pt; required)")
+    debug: bool = flag(False, "show tracebacks for user errors")
+
+
 def main(argv=None):
+    from .inference.generate import PredecessorFiles
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "checkpoint", nargs="?", default="", help="a checkpoint directory: RUN_DIR/checkpoints/step-XXXXXXXX"
-    )
-    p.add_argument("--from_reference", default="", help="a vae.pt or dalle.pt written by lucidrains' dalle-pytorch 1.6")
-    p.add_argument("--out", required=True, help="the export to write (vae.pt or dalle.pt)")
-    p.add_argument(
-        "--bpe_path", default="", help="--from_reference: the YouTokenToMe model (or JSON with --hug) it used"
-    )
-    p.add_argument("--hug", action="store_true", help="--from_reference: --bpe_path is a Hugging Face tokenizers JSON")
-    p.add_argument("--chinese", action="store_true", help="--from_reference: it used the Chinese tokenizer")
-    p.add_argument("--vqgan_config_path", default="", help="--from_reference: the config of the VQGAN it used")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    args = p.parse_args(argv)
+    add_flags(p, ConvertConfig, "what to convert")
+    add_flags(p, PredecessorFiles, "--from_reference: " + PredecessorFiles.__doc__)
+    ns = p.parse_args(argv)
+    args, old = take(ns, ConvertConfig), take(ns, PredecessorFiles)
     with user_errors(args.debug):
+        if not args.out:
+            raise ValueError("--out is required: the export to write (vae.pt or dalle.pt)")
         if bool(args.checkpoint) == bool(args.from_reference):
             raise ValueError("give a checkpoint directory or --from_reference OLD.pt (one of them)")
         if args.from_reference:
-            reference = dict(
-                bpe_path=args.bpe_path, hug=args.hug, chinese=args.chinese, vqgan_config_path=args.vqgan_config_path
+            predecessor = dict(
+                bpe_path=old.bpe_path, hug=old.hug, chinese=old.chinese, vqgan_config_path=old.vqgan_config_path
             )
-            out = convert_reference(args.from_reference, args.out, **reference)
+            out = convert_predecessor(args.from_reference, args.out, **predecessor)
         else:
             out = convert(args.checkpoint, args.out)
         print(f"export: {out}")

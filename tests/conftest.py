@@ -63,7 +63,7 @@ def server(tmp_path, monkeypatch):
     thread.start()
     monkeypatch.setenv("DALLE_PYTORCH_URL_BASE", f"http://127.0.0.1:{srv.server_address[1]}")
     monkeypatch.setenv("DALLE_CACHE", str(tmp_path / "cache"))
-    from dalle_pytorch.training import downloads
+    from dalle_pytorch.compat import downloads
 
     monkeypatch.setattr(downloads, "PREDECESSOR_CACHE", str(tmp_path / "predecessor"))
     yield srv

@@ -142,8 +142,8 @@ def test_generate_reranks_with_guidance_priming_and_compile(dalle_path, tmp_path
     from PIL import Image
 
     from dalle_pytorch.data.folders import image_transform
+    from dalle_pytorch.inference.load import load_clip
     from dalle_pytorch.models.clip import rank_by_clip
-    from dalle_pytorch.training.export import load_clip
 
     clip, tokenizer = load_clip(clip_path)
     folder = os.path.join(tmp_path / "out0", "a_red_circle")

@@ -1,4 +1,4 @@
-"""Downloads of the predecessor's default tokenizers (training/downloads.py) against a local HTTP server:
+"""Downloads of the predecessor's default tokenizers (compat/downloads.py) against a local HTTP server:
 verification, resuming, servers that ignore Range, offline machines, one download for concurrent ranks,
 and the tokenizers loaded through it (a bare --taming, no VAE with a data folder, generate.py's export)."""
 
@@ -12,9 +12,9 @@ import socket
 import pytest
 import torch
 
+from dalle_pytorch.compat.downloads import Remote, fetch
 from dalle_pytorch.errors import user_errors
-from dalle_pytorch.training import downloads
-from dalle_pytorch.training.downloads import Remote, fetch
+from dalle_pytorch.compat import downloads
 
 DATA = os.urandom(300_000)  # three blocks of downloads.CHUNK once the tests shrink it
 
@@ -101,7 +101,7 @@ def test_a_file_that_differs_from_its_pin_is_refused(server, monkeypatch, pin):
         fetch("small")
     message = str(e.value)
     if pin == "size":
-        assert "announces 300000 bytes, expected 300001 (pinned in dalle_pytorch/training/downloads.py)" in message
+        assert "announces 300000 bytes, expected 300001 (pinned in dalle_pytorch/compat/downloads.py)" in message
     else:
         assert f"sha256 {sha(DATA)}, expected {wrong['sha256']} (pinned" in message and "deleted it" in message
         assert not os.path.exists(server.path + ".part")
@@ -194,9 +194,10 @@ def test_a_bare_taming_loads_the_default_vqgan(pretrained_server):
 
 
 def test_no_vae_with_a_data_folder_loads_openais_dvae_and_generate_refetches_it(pretrained_server, tmp_path, capsys):
+    from dalle_pytorch.inference.export import save_export
+    from dalle_pytorch.inference.load import load_dalle
     from dalle_pytorch.models.dalle import DALLE, DALLEConfig
     from dalle_pytorch.training.build import load_image_tokenizer
-    from dalle_pytorch.training.export import load_dalle, save_export
 
     flags = {**FLAGS, "pretrained_image_size": 16, "image_text_folder": str(tmp_path)}
     vae, record, _ = load_image_tokenizer(flags)

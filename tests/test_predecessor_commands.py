@@ -30,7 +30,7 @@ import train_dalle
 import train_vae
 from dalle_pytorch import convert
 from dalle_pytorch.data.shapes_export import export_folder, sample
-from dalle_pytorch.training.export import load_dalle
+from dalle_pytorch.inference.load import load_dalle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OLD = os.path.join(HERE, "fixtures", "reference", "plain")  # vae.pt and dalle.pt written by dalle-pytorch 1.6.6

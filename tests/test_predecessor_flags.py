@@ -1,4 +1,4 @@
-"""predecessor_flags.py: each flag of lucidrains' DALLE-pytorch 1.6 becomes ours, with the conversion it needs."""
+"""dalle_pytorch/compat/flags.py: each flag of lucidrains' DALLE-pytorch 1.6 becomes ours, with its conversion."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import train_dalle
 import train_vae
 from arguments import build_parser
-from predecessor_flags import top_k_arg, top_k_count
+from dalle_pytorch.compat.flags import top_k_arg, top_k_count
 
 
 def parse(script, argv, monkeypatch=None, world: int = 1):

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dalle_pytorch import convert
-from dalle_pytorch.training.export import load_dalle, load_export, vae_from_export
-from dalle_pytorch.training.reference import reference_dalle_config
+from dalle_pytorch.compat.weights import predecessor_dalle_config
+from dalle_pytorch.inference.export import load_export
+from dalle_pytorch.inference.load import load_dalle, vae_from_export
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "fixtures", "reference")
@@ -85,7 +86,7 @@ def test_dalle_gives_the_same_logits(reference, tmp_path):
 
 
 def test_a_predecessor_file_loads_directly(reference):
-    dalle, _, _ = load_dalle(os.path.join(reference, "dalle.pt"), reference={"bpe_path": BPE})
+    dalle, _, _ = load_dalle(os.path.join(reference, "dalle.pt"), predecessor={"bpe_path": BPE})
     _check_logits(dalle, _expected(reference))
 
 
@@ -102,15 +103,15 @@ def test_a_tokenizer_of_another_size_is_refused(reference, tmp_path, capsys):
 def test_options_without_an_equivalent_are_refused_by_name(option, value):
     hparams = dict(dim=32, depth=2, text_seq_len=8, num_text_tokens=60, **{option: value})
     with pytest.raises(ValueError, match=f"option {option}"):
-        reference_dalle_config(hparams, 64, 8, "old.pt")
+        predecessor_dalle_config(hparams, 64, 8, "old.pt")
 
 
 def test_its_chinese_tokenizer_takes_the_vocabulary_from_bpe_path(tmp_path):
-    from dalle_pytorch.training.reference import reference_text_tokenizer
+    from dalle_pytorch.compat.weights import predecessor_text_tokenizer
 
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "你", "好"]) + "\n")
-    tokenizer = reference_text_tokenizer(bpe_path=str(vocab), chinese=True)
+    tokenizer = predecessor_text_tokenizer(bpe_path=str(vocab), chinese=True)
     assert tokenizer.kind == "chinese" and tokenizer.encode("你好") == [5, 6]
 
 

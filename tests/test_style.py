@@ -7,14 +7,31 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEAVES = {"dalle_pytorch.config", "dalle_pytorch.errors", "dalle_pytorch.files"}  # depend on nothing of ours
 # folder -> what its modules may import of ours (besides themselves and the leaves)
+MODELS, DATA, COMPAT, INFERENCE = (
+    "dalle_pytorch.models",
+    "dalle_pytorch.data",
+    "dalle_pytorch.compat",
+    "dalle_pytorch.inference",
+)
 ALLOWED = {
     "dalle_pytorch/models": set(),
     "dalle_pytorch/data": set(),
-    "dalle_pytorch/training": {"dalle_pytorch.models", "dalle_pytorch.data", "distributed"},
-    "dalle_pytorch/eval": {"dalle_pytorch.training", "dalle_pytorch.models", "dalle_pytorch.data"},
+    "dalle_pytorch/compat": {MODELS, DATA},
+    "dalle_pytorch/inference": {MODELS, DATA, COMPAT},  # neither training nor distributed
+    "dalle_pytorch/eval": {MODELS, DATA, INFERENCE},  # neither training nor distributed
+    "dalle_pytorch/training": {MODELS, DATA, COMPAT, INFERENCE, "distributed"},
     "distributed": set(),
 }
-OURS = ("dalle_pytorch", "distributed", "arguments", "train_vae", "train_dalle", "generate", "train_clip")
+OURS = (
+    "dalle_pytorch",
+    "distributed",
+    "arguments",
+    "train_vae",
+    "train_dalle",
+    "generate",
+    "train_clip",
+    "predecessor_flags",
+)
 INFRASTRUCTURE = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
 
 
@@ -91,3 +108,25 @@ def test_the_loop_names_no_backend():
         source = open(os.path.join(ROOT, "dalle_pytorch", "training", name)).read().lower()
         for word in ("deepspeed", "horovod", "fsdp", "distributeddataparallel", "isinstance(backend"):
             assert word not in source, f"{name} names {word}"
+
+
+def _module_of(path):
+    return path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+
+
+def test_no_import_circles():
+    """No module of ours reaches itself through the imports of others (lazy imports inside functions count)."""
+    modules = {_module_of(p): p for folder in ("dalle_pytorch", "distributed") for p in python_files(folder)}
+    graph = {m: {n for n in imports(p) if n in modules and n != m} for m, p in modules.items()}
+    circles = set()
+
+    def visit(m, path):
+        for n in graph[m]:
+            if n == path[0]:
+                circles.add(" -> ".join(sorted(path)))
+            elif n not in path and n > path[0]:  # each circle found once, from its smallest module
+                visit(n, [*path, n])
+
+    for m in sorted(graph):
+        visit(m, [m])
+    assert not circles, "\n".join(sorted(circles))

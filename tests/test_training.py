@@ -351,7 +351,7 @@ def test_unknown_flag_value_is_one_line(capsys):
 def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
     import errno
 
-    import dalle_pytorch.training.export as export
+    import dalle_pytorch.inference.export as export
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from dalle_pytorch.inference.export import save_export
+from dalle_pytorch.inference.load import load_vae
 from dalle_pytorch.models.vae import DiscreteVAE, VAEConfig, codebook_stats
-from dalle_pytorch.training.export import load_vae, save_export
 from dalle_pytorch.training.schedules import gumbel_temperature, lr_factor
 
 

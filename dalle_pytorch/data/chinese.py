@@ -20,7 +20,7 @@ import json
 import os
 import re
 
-from .tokenizer import PAD, Tokenizer
+from .tokenizer_base import PAD, Tokenizer
 
 VOCAB_SIZE = 21128  # bert-base-chinese
 # a space beside a CJK character or CJK/full-width punctuation: WordPiece's decode puts one between every two

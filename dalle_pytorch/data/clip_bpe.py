@@ -18,7 +18,7 @@ import gzip
 import html
 import os
 
-from .tokenizer import PAD, Tokenizer
+from .tokenizer_base import PAD, Tokenizer
 
 BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bpe_simple_vocab_16e6.txt.gz")
 # SimpleTokenizer reads the header line and the first 49152 - 256 - 2 merges: 256 bytes x 2 + 48894 merges + 2

@@ -9,54 +9,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-from abc import ABC, abstractmethod
 
-import torch
-
-PAD = 0
-
-
-class Tokenizer(ABC):
-    kind: str
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]: ...
-
-    @abstractmethod
-    def decode(self, ids: list[int]) -> str: ...
-
-    @abstractmethod
-    def to_dict(self) -> dict:
-        """{'kind': ..., 'data': str}: enough to rebuild the tokenizer anywhere."""
-
-    def tokenize(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
-        """(b, context_length) long, padded with 0, and how many captions were truncated.
-
-        Ids are checked on the CPU here, so an out-of-range id is a clear error, not a device-side assert.
-        """
-        if isinstance(texts, str):
-            texts = [texts]
-        out = torch.zeros(len(texts), context_length, dtype=torch.long)
-        truncated = 0
-        for i, text in enumerate(texts):
-            ids = self.encode(text)
-            if len(ids) > context_length:
-                if not truncate:
-                    raise ValueError(
-                        f"caption of {len(ids)} tokens is longer than --text_seq_len {context_length}: "
-                        f"raise --text_seq_len or allow --truncate_captions ({text[:60]!r})"
-                    )
-                ids, truncated = ids[:context_length], truncated + 1
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        if out.numel() and (out.min() < 0 or out.max() >= self.vocab_size):
-            raise ValueError(
-                f"tokenizer produced ids outside [0, {self.vocab_size}): the tokenizer file is inconsistent"
-            )
-        return out, truncated
+from .chinese import ChineseTokenizer
+from .clip_bpe import ClipTokenizer
+from .tokenizer_base import PAD, Tokenizer
 
 
 class ByteTokenizer(Tokenizer):
@@ -171,13 +127,11 @@ class HugTokenizer(Tokenizer):
 
 
 def _clip(data: str) -> Tokenizer:
-    from .clip_bpe import ClipTokenizer  # imported here: clip_bpe.py and chinese.py subclass Tokenizer
 
     return ClipTokenizer(data)
 
 
 def _chinese(data: str) -> Tokenizer:
-    from .chinese import ChineseTokenizer
 
     return ChineseTokenizer(data)
 

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
-from ..models.clip import rank_by_clip
-from ..models.sampling import generate_image_tokens
-from ..training.export import check_clip_fits, load_clip, load_dalle
-from .evaluate import VALIDATION_SEED, summarize
+from ..inference.fits import check_clip_fits
+from ..inference.load import load_clip, load_dalle
+from ..inference.pipeline import RerankConfig, SamplingConfig, best_of, candidate_images
 from .parse import parse_image, score
+from .summary import VALIDATION_SEED, summarize
 
 
 @torch.no_grad()
@@ -39,26 +39,26 @@ def evaluate_dalle(
     dalle_path: str,
     num_images: int,
     out: str,
+    sampling: SamplingConfig,
+    rerank: RerankConfig,
+    candidates: int = 16,
     seed: int = 0,
     batch_size: int = 64,
-    clip_path: str = "",
-    candidates: int = 16,
-    keep: int = 1,
-    **sampling,
 ) -> dict:
-    """Generated images parsed against their captions, `num_images` captions per split. With `clip_path`,
-    each caption gets `candidates` samples: the plain rate is over all of them, the reranked one over the
-    `keep` that CLIP scores highest (DALL-E's reranking), and the fraction of captions with at least one
-    fully right candidate (results.json, reranking.SPLIT_best_possible)."""
+    """Generated images parsed against their captions, `num_images` captions per split. With a CLIP
+    (`rerank.clip_path`), each caption gets `candidates` samples: the plain rate is over all of them, the
+    reranked one over the `rerank.keep` that CLIP scores highest (DALL-E's reranking), and the fraction of
+    captions with at least one fully right candidate (results.json, reranking.SPLIT_best_possible)."""
     dalle, vae, tokenizer = load_dalle(dalle_path)
-    clip = None
-    if clip_path:
-        clip, clip_tokenizer = load_clip(clip_path)
-        check_clip_fits(clip, clip_tokenizer, dalle_path, clip_path)
+    clip, keep = None, rerank.keep
+    if rerank.clip_path:
+        clip, clip_tokenizer = load_clip(rerank.clip_path)
+        check_clip_fits(clip, clip_tokenizer, dalle_path, rerank.clip_path)
         if not 1 <= keep <= candidates:
             raise ValueError(f"--keep must be between 1 and --candidates {candidates} (got {keep})")
+    options = sampling.token_options(dalle)
     per_caption = candidates if clip else 1
-    result = {"bits_per_image_token": bits_per_image_token(dalle, vae, tokenizer), "sampling": sampling}
+    result = {"bits_per_image_token": bits_per_image_token(dalle, vae, tokenizer), "sampling": options}
     if clip:
         result["reranking"] = {"candidates": candidates, "keep": keep}
         result["clip_retrieval"] = clip_retrieval(clip, clip_tokenizer, vae.image_size)
@@ -71,14 +71,14 @@ def evaluate_dalle(
         for start in range(0, num_images, captions_per_batch):
             idx = list(range(start, min(start + captions_per_batch, num_images)))
             text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
-            tokens = generate_image_tokens(dalle, text.repeat_interleave(per_caption, 0), generator=g, **sampling)
-            images = vae.decode(tokens)
+            rows = text.repeat_interleave(per_caption, 0)
+            images = candidate_images(dalle, vae, rows, len(rows), g, **options)
             images = images.view(len(idx), per_caption, *images.shape[1:])  # (captions, samples, c, s, s)
             for i, group in zip(idx, images):
                 scores = [score(data.scene(i), parse_image(img)) for img in group]
                 plain += scores
                 if clip:
-                    best = rank_by_clip(clip, clip_tokenizer, captions[i], group).argsort(descending=True)[:keep]
+                    best, _ = best_of(clip, clip_tokenizer, captions[i], group, keep)
                     reranked += [scores[j] for j in best.tolist()]
                     any_right.append(any(s["full"] for s in scores))
                     group = group[best]

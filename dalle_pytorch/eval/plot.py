@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+
+from ..config import flag
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -50,15 +53,23 @@ def plot(run_dir: str, out: str | None = None) -> str:
     return out
 
 
+@dataclass
+class PlotConfig:
+    run_dir: str = flag("", "a run directory (holds metrics.jsonl)", positional=True)
+    out: str = flag("", "PNG path (empty: RUN_DIR/curves.png)")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curves.png)")
-    args = p.parse_args(argv)
+    from ..config import add_flags, take
     from ..errors import user_errors
 
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(p, PlotConfig, "plot")
+    args = take(p.parse_args(argv), PlotConfig)
+    if not args.run_dir:
+        p.error("give a run directory (it holds metrics.jsonl)")
     with user_errors(False):
-        print(plot(args.run_dir, args.out))
+        print(plot(args.run_dir, args.out or None))
 
 
 if __name__ == "__main__":

@@ -11,57 +11,11 @@ The taming package itself is not imported: its import chain needs an old PyTorch
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
 import torch
 from torch import nn
 
 from .vae import check_images
-from .vqgan_modules import Decoder, Encoder
-
-
-@dataclass
-class VQGANConfig:
-    """`model.params.ddconfig` of a taming config, plus n_embed, embed_dim and which quantizer."""
-
-    ch: int = 128
-    ch_mult: tuple[int, ...] = (1, 1, 2, 2, 4)
-    num_res_blocks: int = 2
-    attn_resolutions: tuple[int, ...] = (16,)
-    resolution: int = 256
-    in_channels: int = 3
-    out_ch: int = 3
-    z_channels: int = 256
-    double_z: bool = False
-    resamp_with_conv: bool = True
-    give_pre_end: bool = False  # true makes taming's decoder return features: refused
-    tanh_out: bool = False  # later taming versions; False before the flag existed
-    n_embed: int = 16384
-    embed_dim: int = 256
-    gumbel: bool = False  # GumbelVQ (quantize.proj + quantize.embed) instead of VQModel (quantize.embedding)
-    extra: dict = field(default_factory=dict)  # ddconfig keys that do not change inference (dropout ...)
-
-    def __post_init__(self):
-        self.ch_mult, self.attn_resolutions = tuple(self.ch_mult), tuple(self.attn_resolutions)
-        if self.ch % 32 or self.z_channels < 1 or not self.ch_mult:
-            raise ValueError(f"ddconfig.ch must be a multiple of 32 (GroupNorm(32)) and ch_mult non-empty: {self}")
-        if self.give_pre_end:
-            raise ValueError("ddconfig.give_pre_end is true: its decoder returns features, not images; set it false")
-        if self.gumbel and self.embed_dim != self.z_channels:
-            raise ValueError(f"a GumbelVQ needs embed_dim == z_channels (got {self.embed_dim}, {self.z_channels})")
-
-    @property
-    def downsample_factor(self) -> int:
-        return 2 ** (len(self.ch_mult) - 1)
-
-    @property
-    def fmap_size(self) -> int:
-        return self.resolution // self.downsample_factor
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["ch_mult"], d["attn_resolutions"] = list(self.ch_mult), list(self.attn_resolutions)
-        return d
+from .vqgan_modules import Decoder, Encoder, VQGANConfig
 
 
 class VectorQuantizer(nn.Module):

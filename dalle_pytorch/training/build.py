@@ -13,17 +13,17 @@ import torch
 
 from distributed import topology_from_env
 
+from ..compat.downloads import OPENAI_DEFAULT, VQGAN_DEFAULT, default_openai_dir, default_vqgan_paths
 from ..data.tokenized import PrecomputedTokens, precompute_tokens
 from ..files import atomic_save, fingerprint, safe_load
+from ..inference.load import load_vae, read_dalle
 from ..models.pretrained import load_openai, load_vqgan, openai_file
-from .downloads import OPENAI_DEFAULT, VQGAN_DEFAULT, default_openai_dir, default_vqgan_paths
-from .export import load_vae
 
 
 def load_image_tokenizer(flags: Mapping):
     """(tokenizer, export or record, fingerprint) from the flags that choose it, as train_dalle.py parses them or
     config.json's `dalle` section records them. As in the predecessor, a bare --taming uses its default VQGAN and a
-    data folder without any tokenizer flag uses OpenAI's dVAE: both downloaded into a cache (training/downloads.py)."""
+    data folder without any tokenizer flag uses OpenAI's dVAE: both downloaded into a cache (compat/downloads.py)."""
     vae_path, taming, openai_vae_path = flags["vae_path"], flags["taming"], flags["openai_vae_path"]
     vqgan_model_path, vqgan_config_path = flags["vqgan_model_path"], flags["vqgan_config_path"]
     image_size = flags["pretrained_image_size"]
@@ -155,3 +155,17 @@ def precomputed(dataset, vae, vae_id: str, run, backend) -> PrecomputedTokens:
     backend.barrier()
     cached = safe_load(path)
     return PrecomputedTokens(cached["image_tokens"], cached["text"], dataset.truncated.value)
+
+
+def start_of(flags) -> tuple[dict, object]:
+    """(export, image tokenizer) of the --dalle_path a DALLE run started from, read as train_dalle.py read it
+    (`flags`: its parsed flags, or the `dalle` section of its config.json)."""
+    # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
+    predecessor = {
+        "bpe_path": flags["bpe_path"],
+        "hug": flags["hug"],
+        "chinese": flags["tokenizer"] == "chinese",
+        "vqgan_config_path": flags["vqgan_config_path"],
+    }
+    say = print if topology_from_env().rank == 0 else (lambda *_: None)
+    return read_dalle(flags["dalle_path"], flags["vqgan_model_path"], flags["openai_vae_path"], predecessor, say)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..data.tokenizer import Tokenizer
+from ..inference.export import save_export
 from ..models.clip import CLIP
-from .export import save_export
 
 
 class CLIPTask:

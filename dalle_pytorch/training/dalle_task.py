@@ -7,9 +7,9 @@ import torch
 from torchvision.utils import save_image
 
 from ..data.tokenizer import Tokenizer
+from ..inference.export import save_export
 from ..models.dalle import DALLE
 from ..models.sampling import generate_image_tokens
-from .export import save_export
 
 
 class DALLETask:

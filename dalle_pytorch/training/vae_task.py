@@ -8,8 +8,8 @@ from collections import deque
 import torch
 from torchvision.utils import save_image
 
+from ..inference.export import save_export
 from ..models.vae import DiscreteVAE, codebook_stats
-from .export import save_export
 from .schedules import gumbel_temperature
 
 

@@ -14,9 +14,10 @@ import re
 
 import torch
 
-from ..files import atomic_save
+from ..files import atomic_save, fingerprint
 from ..models.dalle import DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
+from .downloads import cache_root
 
 _VAE_ARGS = {"image_size", "num_layers", "num_tokens", "codebook_dim", "hidden_dim", "num_resnet_blocks", "channels"}
 _VAE_TRAINING_ARGS = {"smooth_l1_loss", "temperature", "straight_through", "kl_div_loss_weight", "reinmax"}
@@ -26,7 +27,7 @@ IMAGE_SIZE = 256  # its VQGanVAE and OpenAIDiscreteVAE took 256-pixel images, wh
 _BLOCK = re.compile(r"^transformer\.layers\.layers\.(\d+)\.([01])\.(.*)$")
 
 
-def is_reference(obj) -> bool:
+def is_predecessor(obj) -> bool:
     """A file the predecessor wrote: hparams and weights, and none of our exports' format_version."""
     return isinstance(obj, dict) and "hparams" in obj and "weights" in obj and "format_version" not in obj
 
@@ -35,7 +36,7 @@ def _refuse(what: str, option: str, why: str) -> None:
     raise ValueError(f"{what}: the predecessor's option {option} is not supported here ({why})")
 
 
-def reference_vae(hparams: dict, weights: dict[str, torch.Tensor], what: str) -> tuple[VAEConfig, dict]:
+def predecessor_vae(hparams: dict, weights: dict[str, torch.Tensor], what: str) -> tuple[VAEConfig, dict]:
     """(config, state dict) of our DiscreteVAE from the predecessor's DiscreteVAE arguments and weights."""
     unknown = set(hparams) - _VAE_ARGS - _VAE_TRAINING_ARGS - {"normalization"}
     if unknown:
@@ -75,7 +76,7 @@ def _prefixed(weights: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def reference_dalle_config(hparams: dict, num_image_tokens: int, fmap: int, what: str) -> DALLEConfig:
+def predecessor_dalle_config(hparams: dict, num_image_tokens: int, fmap: int, what: str) -> DALLEConfig:
     """Our DALLEConfig for the predecessor's DALLE arguments; what has no exact equivalent is refused."""
     if hparams.get("reversible"):
         _refuse(what, "reversible", "reversible layers compute another function; retrain with --checkpoint_activations")
@@ -111,7 +112,7 @@ def reference_dalle_config(hparams: dict, num_image_tokens: int, fmap: int, what
     )
 
 
-def reference_dalle_weights(cfg: DALLEConfig, weights: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+def predecessor_dalle_weights(cfg: DALLEConfig, weights: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     """Our DALLE state dict from the predecessor's (without its `vae.*` tensors)."""
     w = {k: v for k, v in weights.items() if not k.startswith("vae.")}
     n_text = cfg.num_text_tokens
@@ -197,7 +198,7 @@ def image_tokenizer_weights(obj: dict) -> tuple[str, dict[str, torch.Tensor]]:
 
 def vae_parts(obj: dict, what: str) -> tuple[dict, dict]:
     """(config dict, weights) of our VAE export from the predecessor's vae.pt."""
-    cfg, weights = reference_vae(obj["hparams"], obj["weights"], what)
+    cfg, weights = predecessor_vae(obj["hparams"], obj["weights"], what)
     return cfg.to_dict(), weights
 
 
@@ -220,7 +221,7 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
     kind, weights = image_tokenizer_weights(obj)
     os.makedirs(files_dir, exist_ok=True)
     if kind == "vae":
-        vae_cfg, vae_weights = reference_vae(obj["vae_params"], weights, what)
+        vae_cfg, vae_weights = predecessor_vae(obj["vae_params"], weights, what)
         vae = {"format_version": 1, "kind": "vae", "config": vae_cfg.to_dict(), "weights": vae_weights}
         num_tokens, fmap = vae_cfg.num_tokens, vae_cfg.fmap_size
     elif kind == "openai":
@@ -238,10 +239,10 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
         _save_once(weights, model_path)
         tokenizer, vae = load_vqgan(model_path, vqgan_config_path, IMAGE_SIZE)
         num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
-    cfg = reference_dalle_config(hparams, num_tokens, fmap, what)
+    cfg = predecessor_dalle_config(hparams, num_tokens, fmap, what)
     return {
         "config": cfg.to_dict(),
-        "weights": reference_dalle_weights(cfg, obj["weights"], what),
+        "weights": predecessor_dalle_weights(cfg, obj["weights"], what),
         "vae": vae,
         "tokenizer": text_tokenizer.to_dict(),
     }
@@ -259,7 +260,7 @@ def _save_once(weights: dict, path: str) -> None:
     atomic_save(weights, path)
 
 
-def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: bool = False):
+def predecessor_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: bool = False):
     """The text tokenizer the predecessor's flags chose, with its ids: --bpe_path (YouTokenToMe, not
     lowercased; or a tokenizers JSON with --hug, ids not shifted), --chinese, or by default the CLIP BPE."""
     from ..data.build import pretrained_text_tokenizer
@@ -270,3 +271,30 @@ def reference_text_tokenizer(bpe_path: str = "", hug: bool = False, chinese: boo
     if bpe_path:  # it neither lowercased captions for YouTokenToMe nor kept id 0 free in a tokenizers JSON
         return HugTokenizer.from_file(bpe_path, offset=0) if hug else YttmTokenizer.from_file(bpe_path, lowercase=False)
     return pretrained_text_tokenizer("clip")
+
+
+def predecessor_export(
+    obj: dict, path: str, kind: str, bpe_path: str = "", hug: bool = False, chinese: bool = False,
+    vqgan_config_path: str = "", files_dir: str = "",
+) -> dict:  # fmt: skip
+    """Our export's kind, config and weights (and a DALLE's vae and tokenizer) from a checkpoint the predecessor
+    wrote. A pretrained image tokenizer inside its DALLE is written as state dicts to `files_dir` (default: a
+    cache folder per file)."""
+    if not isinstance(obj["weights"], dict):  # its DeepSpeed runs' auxiliary.pt holds a note instead
+        raise ValueError(
+            f"{path} holds no weights (a DeepSpeed checkpoint's auxiliary file): consolidate the DeepSpeed "
+            "checkpoint into one dalle.pt first, as dalle-pytorch's wiki 'DeepSpeed-Checkpoints' describes"
+        )
+    if "vae_params" not in obj:  # its train_vae.py's vae.pt
+        if kind != "vae":
+            raise ValueError(f"{path} is a dalle-pytorch VAE checkpoint, expected a DALLE: pass it as --vae_path")
+        config, weights = vae_parts(obj, path)
+        return {"kind": "vae", "config": config, "weights": weights}
+    if kind != "dalle":
+        raise ValueError(f"{path} is a dalle-pytorch DALLE checkpoint, expected a {kind}: pass it as --dalle_path")
+    if not files_dir:  # named by its image tokenizer's weights: the same tokenizer is written once
+        vae_weights = {k: v for k, v in obj["weights"].items() if k.startswith("vae.")}
+        files_dir = os.path.join(cache_root(), "converted", fingerprint({}, vae_weights))
+    text_tokenizer = predecessor_text_tokenizer(bpe_path, hug, chinese)
+    parts = dalle_parts(obj, path, text_tokenizer, files_dir, vqgan_config_path)
+    return {"kind": "dalle", **parts}

@@ -139,7 +139,7 @@ def _expected(path: str, remote: Remote) -> tuple[int | None, str | None]:
 
 def _source(path: str, remote: Remote, field: str) -> str:
     if getattr(remote, field) is not None:
-        return "pinned in dalle_pytorch/training/downloads.py"
+        return "pinned in dalle_pytorch/compat/downloads.py"
     return f"recorded in {_sidecar(path)} at its first download; delete that file if the server's changed on purpose"
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 
-from distributed import topology_from_env
-
 # name -> (takes a value, help), per script; the value's type is converted in apply()
 _TRAIN_DALLE = {
     "dalle_output_file_name": (True, "the predecessor's output name without .pt -> --dalle_output NAME.pt"),
@@ -75,7 +73,9 @@ def add_flags(parser: argparse.ArgumentParser, script: str) -> None:
             group.add_argument(f"--{name}", action="store_true", default=None, help=text)
 
 
-def apply(ns: argparse.Namespace, script: str, say=print, given_flags: set | frozenset = frozenset()) -> None:
+def apply(
+    ns: argparse.Namespace, script: str, say=print, given_flags: set | frozenset = frozenset(), world_size: int = 1
+) -> None:
     """Turn the predecessor's flags present in `ns` into ours (in place), saying one line for each.
     `given_flags`: the flags on the command line (--name), to tell what the user set from our defaults."""
     given = {name: getattr(ns, name) for name in FLAGS[script] if getattr(ns, name, None) is not None}
@@ -141,13 +141,12 @@ def apply(ns: argparse.Namespace, script: str, say=print, given_flags: set | fro
             say(f"predecessor flag --{name}: ignored ({FLAGS[script][name][1].split(': ', 1)[-1]})")
     if deepspeed or "ga_steps" in given:
         said = " ".join(f"--{n}" for n in ("deepspeed", "deepscale", "ga_steps") if n in given) or "--distr_backend"
-        _batch(ns, deepspeed, int(given.get("ga_steps", 1)), said, say)
+        _batch(ns, deepspeed, int(given.get("ga_steps", 1)), said, say, world_size)
 
 
-def _batch(ns, deepspeed: bool, steps: int, said: str, say) -> None:
+def _batch(ns, deepspeed: bool, steps: int, said: str, say, world: int) -> None:
     """Its batch flags as ours. Under DeepSpeed its --batch_size was DeepSpeed's train_batch_size, the batch over
     all processes and --ga_steps micro-batches; elsewhere --ga_steps did nothing there (here it accumulates)."""
-    world = topology_from_env().world_size
     if deepspeed:
         if ns.batch_size % (world * steps):
             raise ValueError(

@@ -1,0 +1,48 @@
+"""Exports: one self-describing file per trained model (weights, model config, format version) that
+generate.py and the evaluation read on any machine, with any backend or none, with `weights_only=True`.
+
+A DALLE export holds its VAE's export and its text tokenizer too; a pretrained image tokenizer (VQGAN,
+OpenAI's dVAE) is recorded (kind, config, paths, fingerprint) instead of copied, and read again from its files.
+The models these files hold are built by load.py; fits.py checks that a CLIP fits a DALLE.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..compat.weights import is_predecessor, predecessor_export
+from ..files import atomic_save, safe_load
+
+EXPORT_FORMAT_VERSION = 1
+
+
+def save_export(path: str, kind: str, config: dict, weights: dict, **extra) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_save(
+        {"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}, path
+    )
+
+
+def load_export(path: str, kind: str, predecessor: dict | None = None, say=print) -> dict:
+    """The export at `path`, or a checkpoint of lucidrains' dalle-pytorch 1.6 converted in memory; `predecessor`:
+    the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese, vqgan_config_path)."""
+    obj = safe_load(path)
+    if is_predecessor(obj) and kind in ("vae", "dalle"):
+        say(
+            f"{path}: a dalle-pytorch 1.6 {kind} checkpoint, converted on the fly "
+            f"(`python -m dalle_pytorch.convert --from_reference {path} --out NEW.pt` converts it once)"
+        )
+        return {"format_version": EXPORT_FORMAT_VERSION, **predecessor_export(obj, path, kind, **(predecessor or {}))}
+    if not isinstance(obj, dict) or "format_version" not in obj or "kind" not in obj:
+        raise ValueError(
+            f"{path} is not an export of this project (no format_version): pass the vae.pt / dalle.pt that "
+            "training wrote, or convert a resume checkpoint with `python -m dalle_pytorch.convert`"
+        )
+    if obj["kind"] != kind:
+        raise ValueError(f"{path} is a {obj['kind']} export, expected a {kind} export")
+    if obj["format_version"] > EXPORT_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has export format {obj['format_version']}; this code reads up to "
+            f"{EXPORT_FORMAT_VERSION}: update the code"
+        )
+    return obj

@@ -1,0 +1,65 @@
+"""The models an export holds, built and loaded in eval mode: VAE, DALLE (with its image and text tokenizers),
+CLIP; and where a DALLE run started from."""
+
+from __future__ import annotations
+
+from ..data.tokenizer import tokenizer_from_dict
+from ..models.dalle import DALLE, DALLEConfig
+from ..models.vae import DiscreteVAE, VAEConfig
+from .export import load_export
+
+
+def vae_from_export(obj: dict) -> DiscreteVAE:
+    """The frozen, eval-mode VAE of an export's dict (a vae.pt, or the `vae` entry of a dalle.pt)."""
+    cfg = dict(obj["config"])
+    cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
+    vae = DiscreteVAE(VAEConfig(**cfg))
+    vae.load_state_dict(obj["weights"])
+    return vae.eval().requires_grad_(False)
+
+
+def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
+    """The frozen, eval-mode VAE stored in an export written by train_vae.py, and the export itself."""
+    obj = load_export(path, "vae")
+    return vae_from_export(obj).to(map_location), obj
+
+
+def load_dalle(
+    path: str, device="cpu", vqgan_model_path: str = "", openai_vae_path: str = "", predecessor: dict | None = None
+):
+    """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`. A pretrained image tokenizer is
+    read again from the files the export records, or from the given paths if they moved. `predecessor`: how
+    to read a predecessor's checkpoint (load_export)."""
+    obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, predecessor)
+    dalle = DALLE(DALLEConfig(**obj["config"]))
+    dalle.load_state_dict(obj["weights"])
+    return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
+
+
+def read_dalle(
+    path: str, vqgan_model_path: str = "", openai_vae_path: str = "", predecessor: dict | None = None, say=print
+):
+    """(export, frozen image tokenizer) of a DALLE export: our VAE from the export, a pretrained one from the
+    files it records (or the given paths)."""
+    obj = load_export(path, "dalle", predecessor, say)
+    if obj["vae"]["kind"] == "vae":  # our own VAE, stored in the export
+        if vqgan_model_path or openai_vae_path:
+            raise ValueError(f"{path} holds its own VAE: --vqgan_model_path and --openai_vae_path do not apply")
+        return obj, vae_from_export(obj["vae"])
+    from ..compat.downloads import refetch_downloaded
+    from ..models.pretrained import tokenizer_from_record
+
+    if not (vqgan_model_path or openai_vae_path):  # a downloaded default gone from this machine: fetch it again
+        found = refetch_downloaded(obj["vae"])
+        vqgan_model_path, openai_vae_path = found.get("vqgan_model_path", ""), found.get("openai_vae_path", "")
+    return obj, tokenizer_from_record(obj["vae"], vqgan_model_path, openai_vae_path)
+
+
+def load_clip(path: str, device="cpu"):
+    """(clip, tokenizer) from a CLIP export written by train_clip.py, in eval mode on `device`."""
+    from ..models.clip import CLIP, CLIPConfig
+
+    obj = load_export(path, "clip")
+    clip = CLIP(CLIPConfig(**obj["config"]))
+    clip.load_state_dict(obj["weights"])
+    return clip.eval().to(device), tokenizer_from_dict(obj["tokenizer"])
