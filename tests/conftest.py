@@ -1,5 +1,5 @@
-"""Shared by the tests: the repository on sys.path, one torch thread, and a local HTTP server (127.0.0.1 only)
-that stands in for the hosts of the predecessor's pretrained files."""
+"""Shared by the tests: the repository and tests/ on sys.path, one torch thread, and a local HTTP server
+(127.0.0.1 only) that stands in for the hosts of the predecessor's pretrained files."""
 
 import io
 import os
@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+sys.path[:0] = [ROOT, TESTS]  # the scripts and packages; the tests' shared helpers from any subfolder
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402

@@ -12,9 +12,9 @@ import socket
 import pytest
 import torch
 
+from dalle_pytorch.compat import downloads
 from dalle_pytorch.compat.downloads import Remote, fetch
 from dalle_pytorch.errors import user_errors
-from dalle_pytorch.compat import downloads
 
 DATA = os.urandom(300_000)  # three blocks of downloads.CHUNK once the tests shrink it
 
