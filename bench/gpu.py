@@ -38,7 +38,7 @@ from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
 from dalle_pytorch.models.sampling import generate_image_tokens  # noqa: E402
 from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention  # noqa: E402
 from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask  # noqa: E402
-from distributed import StepOptions, Topology, make_backend  # noqa: E402
+from distributed import StepOptions, Topology, Workload, make_backend  # noqa: E402
 
 ROWS: list[tuple[str, str, str]] = []  # (check, result, detail)
 
@@ -103,7 +103,7 @@ def backend_steps(name: str, precision: str, device, extra: dict | None = None, 
     port = 29600 + os.getpid() % 1000
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     topo = Topology("torchrun", 0, 1, 0, 1, 0, "127.0.0.1", port)
-    opts = StepOptions(precision=precision, clip_grad_norm=1.0, micro_batch=4)
+    opts = StepOptions(precision=precision, clip_grad_norm=1.0)
     backend = make_backend(name, topo, opts, **(extra or {}))
     backend.setup()
     try:
@@ -112,6 +112,7 @@ def backend_steps(name: str, precision: str, device, extra: dict | None = None, 
             tiny_dalle(backend.device),
             lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=backend.device.type == "cuda"),
             lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0),
+            Workload(micro_batch=4),
         )
         text = torch.randint(1, 64, (4, 8), device=backend.device)
         image = torch.randint(0, 128, (4, 16), device=backend.device)

@@ -1,10 +1,11 @@
 """One Backend interface, one file per backend. `make_backend` picks and builds one lazily, so that heavy
-optional packages (deepspeed, horovod) are imported only when asked for; `make_recovery` says how the loop
-is run (once, or again after workers were lost or added); `read_weights` reads any backend's checkpoint."""
+optional packages (deepspeed, horovod) are imported only when asked for; each backend's `recovery()` says
+how the loop is run (once, or again after workers were lost or added); `read_weights` reads any backend's
+checkpoint."""
 
 from __future__ import annotations
 
-from .base import Backend, Recovery, StepOptions, StepResult
+from .base import Backend, Recovery, StepOptions, StepResult, Workload
 from .deepspeed_config import DeepSpeedOptions
 from .horovod_config import HorovodOptions
 from .topology import BACKENDS, Topology, resolve_backend, set_threads, topology_from_env
@@ -49,18 +50,6 @@ def make_backend(
     raise ValueError(f"unknown --distributed_backend {name}")
 
 
-def make_recovery(backend: Backend, horovod: HorovodOptions | None = None) -> Recovery:
-    """Horovod elastic (horovodrun --min-np/--max-np) re-runs the loop from its last commit when workers come
-    or go; every other run goes once."""
-    if getattr(backend, "elastic", False):
-        from .horovod_elastic import ElasticRecovery
-
-        horovod = horovod or HorovodOptions()
-        horovod.validate()
-        return ElasticRecovery(backend, horovod.commit_every)
-    return Recovery()
-
-
 def read_weights(ckpt_dir: str) -> dict:
     """Full model weights (CPU, fp32) from a resume checkpoint directory of any backend, without a process
     group: the DCP copy every backend writes, or DeepSpeed's own ZeRO shards."""
@@ -88,8 +77,8 @@ __all__ = [
     "StepOptions",
     "StepResult",
     "Topology",
+    "Workload",
     "make_backend",
-    "make_recovery",
     "read_weights",
     "resolve_backend",
     "set_threads",

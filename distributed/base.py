@@ -2,9 +2,10 @@
 
 Shaped after DeepSpeed's engine (it owns loss scaling, accumulation and the step), which every other
 backend can express, so the loop never asks which backend it has. A backend is a topology plus three
-parts: its collectives, its stepper (backward and the optimizer step) and its checkpointer; prepare()
-wraps the model and assembles them. The torch backends share TorchStepper and TorchCheckpointer
-(torch_parts.py); DeepSpeed's engine brings its own.
+private parts: its collectives, its stepper (backward and the optimizer step) and its checkpointer;
+prepare() wraps the model and assembles them. The torch backends share TorchStepper and TorchCheckpointer
+(torch_parts.py); DeepSpeed's engine brings its own. Each backend also says how the loop is run
+(recovery()): once, or again after an elastic change of workers.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ class StepOptions:
     precision: str = "fp32"  # fp32, bf16 (autocast) or fp16 (autocast and dynamic loss scaling)
     accumulation_steps: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float = 0.0  # 0: no clipping
-    micro_batch: int = 1  # samples per micro-batch on this process
     initial_scale_power: int = 16  # fp16: the loss scale starts at 2**N
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one micro-batch on this process is, handed to prepare() once: backends that size themselves to
+    it read it (DeepSpeed's batch size in its config, and its memory estimate for --zero_stage auto)."""
+
+    micro_batch: int = 1  # samples per micro-batch on this process
+    activation_bytes: float = 0.0  # activation memory of one micro-batch (an estimate)
 
 
 class StepResult(NamedTuple):
@@ -39,7 +48,6 @@ class StepResult(NamedTuple):
 class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor: ...
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
-    def broadcast_object(self, obj, src: int = 0): ...
     def barrier(self) -> None: ...
 
 
@@ -64,25 +72,23 @@ class Local:
     def all_gather(self, tensor):
         return tensor
 
-    def broadcast_object(self, obj, src=0):
-        return obj
-
     def barrier(self) -> None:
         pass
 
 
 class Backend:
     """One process's view of the job. Subclasses implement setup() and prepare() and, where they wrap or shard
-    the model, accumulate(), full_params() and full_state_dict(); the rest delegates to the parts."""
+    the model, accumulate(), full_params() and full_state_dict(); an elastic one recovery(). The rest delegates
+    to the parts, which only the backend itself sets."""
 
     name = "base"
 
     def __init__(self, topo: Topology, opts: StepOptions = StepOptions()):
         self.topo, self.opts = topo, opts
         self.device = torch.device("cpu")
-        self.collectives: Collectives = Local()
-        self.stepper: Stepper | None = None  # set by prepare()
-        self.checkpointer: Checkpointer | None = None
+        self._collectives: Collectives = Local()
+        self._stepper: Stepper | None = None  # set by prepare()
+        self._checkpointer: Checkpointer | None = None
 
     # ---------------------------------------------------------------- topology
     @property
@@ -105,11 +111,15 @@ class Backend:
     def teardown(self) -> None:
         """Leave the process group; safe to call twice."""
 
+    def recovery(self) -> Recovery:
+        """How the loop is run: once, unless the backend survives workers coming and going."""
+        return Recovery()
+
     # ---------------------------------------------------------------- training
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         """Wrap the model, then build the optimizer on the wrapped parameters and the scheduler on it
         (FSDP and ZeRO replace parameters, so an optimizer built earlier would hold stale ones).
-        `activation_bytes`: one micro-batch's activations, for backends that size their sharding to the memory.
+        `workload`: one micro-batch, for backends that size themselves to it.
         Returns (model, optimizer, scheduler) to use from then on."""
         raise NotImplementedError
 
@@ -136,37 +146,34 @@ class Backend:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` divided by the accumulation steps, with loss scaling where the precision needs it."""
-        self.stepper.backward(loss)
+        self._stepper.backward(loss)
 
     def step(self) -> StepResult:
         """Unscale, synchronize, clip, step, zero grads, step the scheduler."""
-        return self.stepper.step()
+        return self._stepper.step()
 
     # ---------------------------------------------------------------- collectives (every rank calls them)
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across ranks (in place where possible) and return the result; op is 'mean' or 'sum'."""
-        return self.collectives.all_reduce(tensor, op)
+        return self._collectives.all_reduce(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order, with
         gradients: the backward pass sends each rank the sum of every rank's gradients for its rows, so
         data-parallel averaging gives the gradient of the mean loss (a contrastive loss over all ranks' pairs)."""
-        return self.collectives.all_gather(tensor)
-
-    def broadcast_object(self, obj, src: int = 0):
-        return self.collectives.broadcast_object(obj, src)
+        return self._collectives.all_gather(tensor)
 
     def barrier(self) -> None:
-        self.collectives.barrier()
+        self._collectives.barrier()
 
     # ---------------------------------------------------------------- checkpoints (collective)
     def save_checkpoint(self, directory: str, state: dict) -> None:
         """Write model, optimizer, scheduler, loss scaler, RNG states and `state` into `directory`, shard-wise."""
-        self.checkpointer.save(directory, state)
+        self._checkpointer.save(directory, state)
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore what save_checkpoint wrote (at any world size, from any backend); returns the saved `state`."""
-        return self.checkpointer.load(directory)
+        return self._checkpointer.load(directory)
 
     def full_state_dict(self, model) -> dict | None:
         """Unsharded weights (CPU tensors) on rank 0, None elsewhere, for the export. Collective."""

@@ -14,10 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-from . import deepspeed_portable as portable
-from .base import Backend, StepOptions, StepResult
+from .base import Backend, StepOptions, StepResult, Workload
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
 from .deepspeed_config import DeepSpeedOptions, build_config, check_precision, choose_zero_stage, read_user_config
+from .deepspeed_portable import group_names, has_state, sharded_state_dict
+from .deepspeed_portable import load as load_portable
 from .topology import Topology
 from .torch_parts import ProcessGroup, destroy_process_group, export_launcher_env
 
@@ -79,9 +80,8 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, topo: Topology, opts: StepOptions = StepOptions(), options: DeepSpeedOptions | None = None):
         super().__init__(topo, opts)
-        self.options = options or DeepSpeedOptions()
-        self.zero_stage = None
-        self.engine = None
+        self._options = options or DeepSpeedOptions()
+        self._zero_stage = None  # chosen by prepare()
 
     def setup(self) -> None:
         super().setup()
@@ -89,7 +89,7 @@ class DeepSpeedBackend(Backend):
         export_launcher_env(self.topo)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
-        self.collectives = ProcessGroup(self.world_size)
+        self._collectives = ProcessGroup(self.world_size)
         self._unlink_shm_buffer()
 
     def _unlink_shm_buffer(self) -> None:
@@ -102,16 +102,16 @@ class DeepSpeedBackend(Backend):
     def autocast(self):
         return contextlib.nullcontext()  # the engine applies bf16 / fp16 itself, from the config
 
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
-        self.zero_stage = self._choose_stage(model, activation_bytes)
-        o = self.options
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
+        self._zero_stage = self._choose_stage(model, workload.activation_bytes)
+        o = self._options
         config, conflicts = build_config(
-            micro_batch=self.opts.micro_batch,
+            micro_batch=workload.micro_batch,
             accumulation_steps=self.opts.accumulation_steps,
             world_size=self.world_size,
             clip_grad_norm=self.opts.clip_grad_norm,
             precision=self.opts.precision,
-            zero_stage=self.zero_stage,
+            zero_stage=self._zero_stage,
             offload_optimizer=o.offload_optimizer,
             offload_params=o.offload_params,
             initial_scale_power=self.opts.initial_scale_power,
@@ -126,19 +126,18 @@ class DeepSpeedBackend(Backend):
                 print(f"warning: {line}", flush=True)
         model = model.to(self.device)
         client_optimizer = make_optimizer(model)
-        group_names = portable.group_names(model, client_optimizer)  # before ZeRO flattens the groups
+        names = group_names(model, client_optimizer)  # before ZeRO flattens the groups
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=client_optimizer, lr_scheduler=make_scheduler, config=config
         )
         self._unlink_shm_buffer()  # a process group made before setup() leaves DeepSpeed's init to here
-        self.engine = engine
-        self.stepper = EngineStepper(engine)
-        self.checkpointer = DeepSpeedCheckpointer(self, group_names)
+        self._stepper = EngineStepper(engine)
+        self._checkpointer = DeepSpeedCheckpointer(self, engine, self._stepper, names, self._zero_stage)
         return engine, optimizer, scheduler
 
     def _choose_stage(self, model, activation_bytes: float) -> int:
-        if self.options.zero_stage != "auto":
-            return int(self.options.zero_stage)
+        if self._options.zero_stage != "auto":
+            return int(self._options.zero_stage)
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
         free = free_device_bytes(self.topo.local_world_size)
         stage, estimates = choose_zero_stage(n, activation_bytes, free, self.world_size, self.opts.precision)
@@ -150,7 +149,7 @@ class DeepSpeedBackend(Backend):
     @contextlib.contextmanager
     def full_params(self, model):
         module = self.unwrap(model)
-        with GatheredParameters(list(module.parameters()), modifier_rank=None, enabled=self.zero_stage == 3):
+        with GatheredParameters(list(module.parameters()), modifier_rank=None, enabled=self._zero_stage == 3):
             yield module
 
     def full_state_dict(self, model):
@@ -168,26 +167,27 @@ class DeepSpeedCheckpointer:
     parameter name through DCP, each rank writing the fragments it steps), which reshards to any backend,
     world size or stage."""
 
-    def __init__(self, backend: DeepSpeedBackend, group_names: list[list[str]]):
-        self.backend, self.group_names = backend, group_names
+    def __init__(self, backend: DeepSpeedBackend, engine, stepper: EngineStepper, names: list, zero_stage: int):
+        self.backend, self.engine, self.stepper = backend, engine, stepper
+        self.group_names, self.zero_stage = names, zero_stage
 
     def _layout(self) -> dict:
         """What DeepSpeed's own checkpoint needs to match to be loadable."""
-        return {"world_size": self.backend.world_size, "zero_stage": self.backend.zero_stage}
+        return {"world_size": self.backend.world_size, "zero_stage": self.zero_stage}
 
     def save(self, directory: str, state: dict) -> None:
-        b = self.backend
-        b.engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
-        with_optimizer = portable.has_state(b.engine.optimizer)
-        module = b.unwrap(b.engine)
-        shards = portable.sharded_state_dict(module, b.engine.optimizer, self.group_names, with_optimizer, b.rank)
+        b, engine = self.backend, self.engine
+        engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
+        with_optimizer = has_state(engine.optimizer)
+        module = b.unwrap(engine)
+        shards = sharded_state_dict(module, engine.optimizer, self.group_names, with_optimizer, b.rank)
         # collective over the default process group: each rank writes the fragments it holds to its own file
         dcp.save(shards, checkpoint_id=os.path.join(directory, "dcp"))
         if b.is_main:
             save_shared_file(
                 directory,
                 {
-                    "scheduler": b.engine.lr_scheduler.state_dict(),
+                    "scheduler": engine.lr_scheduler.state_dict(),
                     "scaler": self._scaler_state(),
                     "state": state,
                     "has_optimizer_state": with_optimizer,
@@ -200,7 +200,7 @@ class DeepSpeedCheckpointer:
         b = self.backend
         shared = load_shared_file(directory)
         if os.path.isdir(os.path.join(directory, TAG)) and shared.get("deepspeed") == self._layout():
-            path, client = b.engine.load_checkpoint(directory, tag=TAG)
+            path, client = self.engine.load_checkpoint(directory, tag=TAG)
             if path is None:
                 raise ValueError(f"{directory} holds no DeepSpeed checkpoint (tag {TAG})")
         else:
@@ -210,22 +210,22 @@ class DeepSpeedCheckpointer:
         return shared["state"]
 
     def _load_portable(self, directory: str, shared: dict) -> None:
-        b = self.backend
+        b, engine = self.backend, self.engine
         if not os.path.isdir(os.path.join(directory, "dcp")):
             raise ValueError(f"{directory} has no dcp/ folder: it holds no portable checkpoint")
-        portable.load(
-            b.unwrap(b.engine),
-            b.engine.optimizer,
+        load_portable(
+            b.unwrap(engine),
+            engine.optimizer,
             self.group_names,
             os.path.join(directory, "dcp"),
             shared["has_optimizer_state"],
-            b.zero_stage,
+            self.zero_stage,
         )
-        b.engine.lr_scheduler.load_state_dict(shared["scheduler"])
+        engine.lr_scheduler.load_state_dict(shared["scheduler"])
         if b.opts.precision == "fp16" and shared["scaler"]:
-            b.engine.optimizer.loss_scaler.cur_scale = float(shared["scaler"]["scale"])
+            engine.optimizer.loss_scaler.cur_scale = float(shared["scaler"]["scale"])
         if b.is_main:
-            print(f"{directory}: loaded the portable (resharded) checkpoint on ZeRO-{b.zero_stage}", flush=True)
+            print(f"{directory}: loaded the portable (resharded) checkpoint on ZeRO-{self.zero_stage}", flush=True)
 
     def _scaler_state(self) -> dict:
         """DeepSpeed's dynamic loss scale as torch's GradScaler.state_dict() writes it (empty unless fp16)."""
@@ -233,7 +233,7 @@ class DeepSpeedCheckpointer:
         if b.opts.precision != "fp16":
             return {}
         return {
-            "scale": b.stepper.loss_scale(),
+            "scale": self.stepper.loss_scale(),
             "growth_factor": 2.0,
             "backoff_factor": 0.5,
             "growth_interval": b.opts.loss_scale_window,

@@ -15,10 +15,10 @@ import time
 import horovod.torch as hvd
 import torch
 
-from .base import Backend, StepOptions
+from .base import Backend, Recovery, StepOptions, Workload
 from .horovod_config import HorovodOptions
 from .topology import Topology, pick_device
-from .torch_parts import attach_torch_parts
+from .torch_parts import TorchStepper, torch_parts
 
 
 class HorovodCollectives:
@@ -34,11 +34,8 @@ class HorovodCollectives:
     def all_gather(self, tensor):
         return _AllGather.apply(tensor)
 
-    def broadcast_object(self, obj, src=0):
-        return hvd.broadcast_object(obj, root_rank=src)
-
     def barrier(self) -> None:
-        if self.backend.joining:  # the running workers wait in the state sync, not here (see _ring_started)
+        if self.backend._joining:  # the running workers wait in the state sync, not here (see _ring_started)
             return
         hvd.barrier()
 
@@ -63,18 +60,18 @@ class HorovodBackend(Backend):
 
     def __init__(self, topo: Topology, opts: StepOptions = StepOptions(), options: HorovodOptions | None = None):
         super().__init__(topo, opts)
-        self.options = options or HorovodOptions()
-        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun --min-np/--max-np
-        self.joining = False  # an elastic worker joining a running job: no collective before the state sync
-        self.collectives = HorovodCollectives(self)
-        self.model = None
+        self._options = options or HorovodOptions()
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # set by horovodrun --min-np/--max-np
+        self._joining = False  # an elastic worker joining a running job: no collective before the state sync
+        self._collectives = HorovodCollectives(self)
+        self._stepper: TorchStepper | None = None  # set by prepare(); the elastic state commits its parts
 
     def setup(self) -> None:
         if not hvd.is_initialized():
             hvd.init()
-        if self.elastic:  # ranks come from Horovod's rendezvous and change as workers come and go
-            self.refresh_topology()
-            self.joining = _ring_started(training=False)
+        if self._elastic:  # ranks come from Horovod's rendezvous and change as workers come and go
+            self._refresh_topology()
+            self._joining = _ring_started(training=False)
         elif hvd.size() != self.world_size or hvd.rank() != self.rank:
             raise RuntimeError(
                 f"horovod sees rank {hvd.rank()}/{hvd.size()}, the launcher said {self.rank}/{self.world_size}"
@@ -85,7 +82,23 @@ class HorovodBackend(Backend):
         if hvd.is_initialized():
             hvd.shutdown()
 
-    def refresh_topology(self) -> None:
+    def recovery(self) -> Recovery:
+        """Elastic (horovodrun --min-np/--max-np): the loop runs again from its last commit when workers come or
+        go (horovod_elastic.py); otherwise once."""
+        if not self._elastic:
+            return Recovery()
+        self._options.validate()
+        from .horovod_elastic import ElasticRecovery
+
+        return ElasticRecovery(self, self._options.commit_every)
+
+    def _reform_ring(self) -> None:
+        """hvd.elastic.run's reset, then tell workers starting in the new ring that they join a running job."""
+        hvd.shutdown()
+        hvd.init()
+        _ring_started(training=True)
+
+    def _refresh_topology(self) -> None:
         self.topo = dataclasses.replace(
             self.topo,
             rank=hvd.rank(),
@@ -95,15 +108,15 @@ class HorovodBackend(Backend):
             node_rank=hvd.cross_rank(),
         )
 
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         model = model.to(self.device)
         # every rank starts from rank 0's weights. Not hvd.broadcast_optimizer_state: on a new optimizer it
         # "initializes" the state by an optimizer.step() on zero gradients, which applies weight decay and
         # advances Adam's step count (so its bias correction) by one. A new optimizer's state is empty on
         # every rank, and a resumed one is read from the same checkpoint by every rank.
-        if not self.elastic:  # elastic: the state sync at the start of the run broadcasts everything
+        if not self._elastic:  # elastic: the state sync at the start of the run broadcasts everything
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        compression = hvd.Compression.fp16 if self.options.horovod_compression == "fp16" else hvd.Compression.none
+        compression = hvd.Compression.fp16 if self._options.horovod_compression == "fp16" else hvd.Compression.none
 
         def make_distributed_optimizer(m):
             return hvd.DistributedOptimizer(
@@ -114,22 +127,21 @@ class HorovodBackend(Backend):
                 op=hvd.Average,
             )
 
-        self.model = model
-        model, optimizer, scheduler = attach_torch_parts(
+        self._stepper, self._checkpointer = torch_parts(
             self,
             model,
             make_distributed_optimizer,
             make_scheduler,
-            init_optimizer_state=self.init_optimizer_state,
-            synchronize=lambda: self.stepper.optimizer.synchronize(),  # clipping must see the averaged gradients
-            stepping=lambda: self.stepper.optimizer.skip_synchronize(),
+            init_optimizer_state=self._init_optimizer_state,
+            synchronize=lambda: self._stepper.optimizer.synchronize(),  # clipping must see the averaged gradients
+            stepping=lambda: self._stepper.optimizer.skip_synchronize(),
         )
-        return model, optimizer, scheduler
+        return model, self._stepper.optimizer, self._stepper.scheduler
 
-    def init_optimizer_state(self) -> None:
+    def _init_optimizer_state(self) -> None:
         """The torch optimizer's own step on zero gradients, without Horovod's allreduce; the weights it moves
         and the state it creates are both overwritten by the checkpoint or state sync that follows."""
-        optimizer = self.stepper.optimizer
+        optimizer = self._stepper.optimizer
         if len(optimizer.state) == 0:
             for group in optimizer.param_groups:
                 for p in group["params"]:

@@ -21,55 +21,58 @@ import horovod.torch as hvd
 import torch
 from horovod.common.elastic import State, run_fn
 
+from .torch_parts import TorchStepper
+
 
 class ElasticState(State):
-    """Model, optimizer, scheduler, loss scaler and loop position of a HorovodBackend, committed together."""
+    """Model, optimizer, scheduler and loss scaler (the HorovodBackend's TorchStepper) and the loop position,
+    committed together. `backend`: the HorovodBackend whose ranks change and whose optimizer state it creates."""
 
-    def __init__(self, backend, pos):
+    def __init__(self, backend, stepper: TorchStepper, pos):
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.backend, self.pos = backend, pos
+        self.backend, self.stepper, self.pos = backend, stepper, pos
         self.save()
 
     def _module(self):
-        return self.backend.unwrap(self.backend.model)
+        return self.backend.unwrap(self.stepper.model)
 
     def save(self) -> None:
-        b = self.backend
+        s = self.stepper
         self._saved = _on_cpu(
             {
                 "model": self._module().state_dict(),
-                "optimizer": b.stepper.optimizer.state_dict(),
-                "scheduler": b.stepper.scheduler.state_dict(),
-                "scaler": b.stepper.scaler.state_dict(),
+                "optimizer": s.optimizer.state_dict(),
+                "scheduler": s.scheduler.state_dict(),
+                "scaler": s.scaler.state_dict(),
                 "pos": dataclasses.asdict(self.pos),
             }
         )
 
     def restore(self) -> None:
-        b = self.backend
+        s = self.stepper
         self._module().load_state_dict(self._saved["model"])
-        b.stepper.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
-        b.stepper.scheduler.load_state_dict(self._saved["scheduler"])
-        b.stepper.scaler.load_state_dict(self._saved["scaler"])
+        s.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
+        s.scheduler.load_state_dict(self._saved["scheduler"])
+        s.scaler.load_state_dict(self._saved["scaler"])
         for k, v in self._saved["pos"].items():
             setattr(self.pos, k, v)  # the loop holds this object
 
     def reset(self) -> None:
         """After Horovod re-formed the ring: new ranks and size, and no half-accumulated gradients."""
         b = self.backend
-        b.refresh_topology()
+        b._refresh_topology()
         for p in self._module().parameters():
             p.grad = None
-        b.stepper.optimizer.set_backward_passes_per_step(b.opts.accumulation_steps)
+        self.stepper.optimizer.set_backward_passes_per_step(b.opts.accumulation_steps)
         if b.is_main:
             print(f"elastic: continuing on {b.world_size} workers from step {self.pos.step}", flush=True)
 
     def sync(self) -> None:
         """Every worker takes rank 0's state (a joining worker has none; survivors restored the same commit)."""
-        b = self.backend
-        if hvd.broadcast_object(len(b.stepper.optimizer.state) > 0, root_rank=0):
-            b.init_optimizer_state()  # a joining worker's Adam state, to be overwritten; moves its weights
-            sd = b.stepper.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
+        s = self.stepper
+        if hvd.broadcast_object(len(s.optimizer.state) > 0, root_rank=0):
+            self.backend._init_optimizer_state()  # a joining worker's Adam state, to be overwritten; moves its weights
+            sd = s.optimizer.state_dict()  # its tensors are the optimizer's own: broadcast in place
             # rank 0's list: a joiner's fresh state also covers parameters that never had a gradient on rank 0
             keys = [(i, k) for i, st in sorted(sd["state"].items()) for k, t in st.items() if torch.is_tensor(t)]
             keys = hvd.broadcast_object(keys, root_rank=0)
@@ -77,17 +80,17 @@ class ElasticState(State):
             hvd.broadcast_parameters(tensors, root_rank=0)
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
             groups = hvd.broadcast_object(hyper)
-            for g, saved in zip(b.stepper.optimizer.param_groups, groups):
+            for g, saved in zip(s.optimizer.param_groups, groups):
                 g.update(saved)
         hvd.broadcast_parameters(self._module().state_dict(), root_rank=0)  # weights last
         rest = {
-            "scheduler": b.stepper.scheduler.state_dict(),
-            "scaler": b.stepper.scaler.state_dict(),
+            "scheduler": s.scheduler.state_dict(),
+            "scaler": s.scaler.state_dict(),
             "pos": dataclasses.asdict(self.pos),
         }
         rest = hvd.broadcast_object(rest)
-        b.stepper.scheduler.load_state_dict(rest["scheduler"])
-        b.stepper.scaler.load_state_dict(rest["scaler"])
+        s.scheduler.load_state_dict(rest["scheduler"])
+        s.scaler.load_state_dict(rest["scaler"])
         for k, v in rest["pos"].items():
             setattr(self.pos, k, v)
         self._check_replicas()
@@ -114,7 +117,9 @@ def _on_cpu(obj):
 class ElasticRecovery:
     """Runs the loop's steps and, when workers are lost or added, runs them again from the last commit on
     the new ring of workers (hvd.elastic.run's contract, with our state). The loop calls commit() after
-    every step; every `commit_every` steps it copies the state to host memory and checks for new hosts."""
+    every step; every `commit_every` steps it copies the state to host memory and checks for new hosts.
+    Made by HorovodBackend.recovery(); this file and horovod_backend.py are one backend, so it reads the
+    backend's own parts."""
 
     world_size_may_change = True
 
@@ -123,17 +128,10 @@ class ElasticRecovery:
         self._state = None
 
     def run(self, steps, pos):
-        self._state = ElasticState(self.backend, pos)
-        self.backend.joining = False
+        self._state = ElasticState(self.backend, self.backend._stepper, pos)
+        self.backend._joining = False
 
-        def reset():  # hvd.elastic.run's, then tell workers starting in the new ring that they join a run
-            from .horovod_backend import _ring_started
-
-            hvd.shutdown()
-            hvd.init()
-            _ring_started(training=True)
-
-        return run_fn(lambda state: steps(state.pos), reset)(self._state)
+        return run_fn(lambda state: steps(state.pos), self.backend._reform_ring)(self._state)
 
     def commit(self, pos) -> None:
         if pos.step % self.commit_every == 0:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from .base import Backend
-from .torch_parts import attach_torch_parts
+from .base import Backend, Workload
+from .torch_parts import torch_parts
 
 
 class SingleBackend(Backend):
     name = "single"
 
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         model = model.to(self.device)
-        return attach_torch_parts(self, model, make_optimizer, make_scheduler)
+        self._stepper, self._checkpointer = torch_parts(self, model, make_optimizer, make_scheduler)
+        return model, self._stepper.optimizer, self._stepper.scheduler

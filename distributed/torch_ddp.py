@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Backend
-from .torch_parts import attach_torch_parts, destroy_process_group, init_process_group
+from .base import Backend, Workload
+from .torch_parts import destroy_process_group, init_process_group, torch_parts
 
 
 class DDPBackend(Backend):
@@ -13,15 +13,16 @@ class DDPBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
-        self.collectives = init_process_group(self.topo, self.device)
+        self._collectives = init_process_group(self.topo, self.device)
 
     def teardown(self) -> None:
         destroy_process_group()
 
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         ids = [self.device.index] if self.device.type == "cuda" else None
         model = DistributedDataParallel(model.to(self.device), device_ids=ids)
-        return attach_torch_parts(self, model, make_optimizer, make_scheduler)
+        self._stepper, self._checkpointer = torch_parts(self, model, make_optimizer, make_scheduler)
+        return model, self._stepper.optimizer, self._stepper.scheduler
 
     def accumulate(self, model, sync: bool):
         # no_sync: gradients of non-final micro-batches stay local, one all-reduce per optimizer step

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .base import Backend
-from .torch_parts import attach_torch_parts, destroy_process_group, init_process_group
+from .base import Backend, Workload
+from .torch_parts import destroy_process_group, init_process_group, torch_parts
 
 
 def _check_unshared(blocks: nn.ModuleList) -> None:
@@ -35,12 +35,12 @@ class FSDPBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
-        self.collectives = init_process_group(self.topo, self.device)
+        self._collectives = init_process_group(self.topo, self.device)
 
     def teardown(self) -> None:
         destroy_process_group()
 
-    def prepare(self, model, make_optimizer, make_scheduler, activation_bytes: float = 0.0):
+    def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         model = model.to(self.device)
         # autocast handles bf16/fp16 compute, as on every other backend; FSDP keeps fp32 parameters
         mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
@@ -50,7 +50,8 @@ class FSDPBackend(Backend):
                 for block in module:
                     fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return attach_torch_parts(self, model, make_optimizer, make_scheduler)
+        self._stepper, self._checkpointer = torch_parts(self, model, make_optimizer, make_scheduler)
+        return model, self._stepper.optimizer, self._stepper.scheduler
 
     def accumulate(self, model, sync: bool):
         model.set_requires_gradient_sync(sync)  # non-final micro-batches keep unreduced gradients

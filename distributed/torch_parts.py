@@ -148,11 +148,6 @@ class ProcessGroup:
 
         return torch.cat(dist_nn.all_gather(tensor.contiguous()), dim=0)
 
-    def broadcast_object(self, obj, src=0):
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
     def barrier(self) -> None:
         dist.barrier()
 
@@ -188,14 +183,12 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def attach_torch_parts(backend, model, make_optimizer, make_scheduler, init_optimizer_state=None, **stepping):
-    """Build the optimizer and scheduler on the (wrapped) model and give `backend` a TorchStepper and a
-    TorchCheckpointer over them. `stepping`: TorchStepper's synchronize / stepping hooks. Returns what
-    prepare() returns."""
+def torch_parts(
+    backend, model, make_optimizer, make_scheduler, init_optimizer_state=None, **stepping
+) -> tuple[TorchStepper, TorchCheckpointer]:
+    """A TorchStepper and a TorchCheckpointer over an optimizer and scheduler built on the (wrapped) model, for
+    `backend` to keep. `stepping`: TorchStepper's synchronize / stepping hooks."""
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer)
-    backend.stepper = TorchStepper(model, optimizer, scheduler, backend.opts, backend.device, **stepping)
-    backend.checkpointer = TorchCheckpointer(
-        model, optimizer, backend.stepper, backend.rank, backend.barrier, init_optimizer_state
-    )
-    return model, optimizer, scheduler
+    stepper = TorchStepper(model, optimizer, scheduler, backend.opts, backend.device, **stepping)
+    return stepper, TorchCheckpointer(model, optimizer, stepper, backend.rank, backend.barrier, init_optimizer_state)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arguments import TrainConfig
-from distributed import HorovodOptions, StepOptions, Topology, make_backend, make_recovery
+from distributed import HorovodOptions, StepOptions, Topology, make_backend
 from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
 from distributed.topology import resolve_backend, topology_from_env
 
@@ -194,13 +194,14 @@ def test_elastic_horovod_refuses_what_depends_on_the_worker_count(monkeypatch):
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     backend = horovod_backend.HorovodBackend(Topology("horovod"))
-    assert make_recovery(backend).world_size_may_change
+    assert backend.recovery().world_size_may_change
     with pytest.raises(ValueError, match="--commit_every must be at least 1"):
-        make_recovery(backend, HorovodOptions(commit_every=0))
+        horovod_backend.HorovodBackend(Topology("horovod"), options=HorovodOptions(commit_every=0)).recovery()
     with pytest.raises(ValueError, match="set --steps"):
         TrainConfig(steps=0).check_elastic()
     with pytest.raises(ValueError, match="drop --global_batch_size"):
         TrainConfig(steps=10, batch_size=4, global_batch_size=64).check_elastic()
     TrainConfig(steps=10).check_elastic()
     monkeypatch.delenv("HOROVOD_ELASTIC")
-    assert not make_recovery(horovod_backend.HorovodBackend(Topology("horovod"))).world_size_may_change
+    assert not horovod_backend.HorovodBackend(Topology("horovod")).recovery().world_size_may_change
+    assert not make_backend("single", Topology("none")).recovery().world_size_may_change

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distributed import Workload
+
 from .batches import ShardedSampler, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
 from .metrics import MetricWindow
@@ -51,7 +53,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
         lambda o: torch.optim.lr_scheduler.LambdaLR(
             o, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.lr_decay, cfg.lr_min_factor)
         ),
-        task.activation_bytes(cfg.batch_size),
+        Workload(micro_batch=cfg.batch_size, activation_bytes=task.activation_bytes(cfg.batch_size)),
     )
     pos = resume(cfg.resume, backend, run)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step, save, exit

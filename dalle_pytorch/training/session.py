@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from distributed import make_backend, make_recovery, set_threads, topology_from_env
+from distributed import make_backend, set_threads, topology_from_env
 
 from ..data.build import build_dataset, build_text_tokenizer, describe
 from .run import RunDir
@@ -23,7 +23,7 @@ def distributed_run(cfg, default_name: str, configs: dict, backend_options: dict
     cfg.validate()
     topo = topology_from_env()
     backend = make_backend(cfg.distributed_backend, topo, cfg.step_options(topo.world_size), **backend_options)
-    recovery = make_recovery(backend, backend_options.get("horovod"))
+    recovery = backend.recovery()
     if recovery.world_size_may_change:
         cfg.check_elastic()
     backend.setup()

@@ -17,7 +17,8 @@ class Task(Protocol):
     tokens_per_sample: int  # transformer positions (or image tokens) per sample, for tokens/s
 
     def activation_bytes(self, batch_size: int) -> float:
-        """Activation memory of one micro-batch, for the backends that size their sharding to the memory."""
+        """An estimate of one micro-batch's activation memory: part of the workload the loop hands to the
+        backend (backends that size their sharding to the memory read it; the others ignore it)."""
 
     def prepare_batch(self, batch, device: torch.device):
         """A collated batch on `device`, ready for loss(); no grad, full precision (e.g. VAE tokens)."""
