@@ -74,10 +74,10 @@ fi
 # the tests import only the model code (see tests/pretrained_refs.py). The project itself never imports them,
 # and the tests compare with a fixture without them, so a failure here is a warning, not the end of the install.
 if ! have taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; then
-  step "reference tokenizers for tests/test_pretrained.py (taming-transformers, DALL-E; optional)"
+  step "reference tokenizers for tests/models/test_pretrained.py (taming-transformers, DALL-E; optional)"
   if ! "$PIP" install -q --no-deps taming-transformers-rom1504==$TAMING_VERSION DALL-E==$DALL_E_VERSION; then
     echo "[install] warning: taming-transformers-rom1504 and DALL-E did not install (read the pip error above);" \
-      "tests/test_pretrained.py skips its live comparisons and still compares with the fixture" >&2
+      "tests/models/test_pretrained.py skips its live comparisons and still compares with the fixture" >&2
   fi
 fi
 
@@ -89,16 +89,16 @@ if ! have cn-clip==1.6.0; then
     echo "[install] warning: cn-clip did not install; --tokenizer chinese then needs --bpe_path vocab.txt" >&2
 fi
 
-# lucidrains' dalle-pytorch 1.6.6, for tests/test_reference.py only: into a folder of its own, not .venv, since its
+# lucidrains' dalle-pytorch 1.6.6, for tests/compat/test_reference.py only: into a folder of its own, not .venv, since its
 # package is also called dalle_pytorch; the test runs it in a separate process (tests/reference_run.py).
 REFERENCE_DIR="$CACHE/reference/dalle-pytorch-1.6.6"
 if [ ! -f "$REFERENCE_DIR/.installed" ]; then
-  step "reference dalle-pytorch 1.6.6 for tests/test_reference.py (optional, into $REFERENCE_DIR)"
+  step "reference dalle-pytorch 1.6.6 for tests/compat/test_reference.py (optional, into $REFERENCE_DIR)"
   if "$PIP" install -q --no-deps --target "$REFERENCE_DIR" dalle-pytorch==1.6.6 axial_positional_embedding==0.2.1 \
     rotary-embedding-torch==0.1.5; then
     touch "$REFERENCE_DIR/.installed"
   else
-    echo "[install] warning: dalle-pytorch 1.6.6 did not install; tests/test_reference.py compares with its fixture" >&2
+    echo "[install] warning: dalle-pytorch 1.6.6 did not install; tests/compat/test_reference.py compares with its fixture" >&2
   fi
 fi
 

@@ -102,3 +102,31 @@ def pretrained_server(server):
         }
     )
     return server
+
+
+# The launcher tests' shared runs (tests/launch.py): a tiny VAE, and 1 process with the whole batch
+@pytest.fixture(scope="module")
+def vae_path(tmp_path_factory):
+    from launch import TINY_VAE
+
+    import train_vae
+
+    return train_vae.main(
+        [*TINY_VAE, "--batch_size", "8", "--steps", "2", "--output_dir", str(tmp_path_factory.mktemp("vae"))]
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(vae_path, tmp_path_factory):
+    """1 process with the whole batch: 8 per step, and 16 per step for the accumulation runs."""
+    from launch import dalle_args, grad_norms
+
+    import train_dalle
+    from dalle_pytorch.files import safe_load
+
+    out = {}
+    for batch in (8, 16):
+        path = str(tmp_path_factory.mktemp(f"ref{batch}"))
+        weights = safe_load(train_dalle.main(dalle_args(vae_path, path, batch)))["weights"]
+        out[batch] = (weights, grad_norms(os.path.join(path, "dalle")))
+    return out

@@ -1,4 +1,4 @@
-"""The upstream reference tokenizers for tests/test_pretrained.py, and the random weights both sides load.
+"""The upstream reference tokenizers for tests/models/test_pretrained.py, and the random weights both sides load.
 
 taming-transformers (`pip install --no-deps taming-transformers-rom1504==0.0.6`): its model classes import
 `pytorch_lightning` and `taming.main` (which needs Lightning < 1.8 and omegaconf); neither is needed to

@@ -4,8 +4,7 @@ import os
 import subprocess
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 
 
 @pytest.mark.slow  # 110 s on 2 cores: out of `make test`'s 15-minute budget, in `make test-all`

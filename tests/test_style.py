@@ -4,7 +4,8 @@ the loop names no backend."""
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 LEAVES = {"dalle_pytorch.config", "dalle_pytorch.errors", "dalle_pytorch.files"}  # depend on nothing of ours
 # folder -> what its modules may import of ours (besides themselves and the leaves)
 MODELS, DATA, COMPAT, INFERENCE = (

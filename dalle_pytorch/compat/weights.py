@@ -1,7 +1,7 @@
 """Checkpoints written by lucidrains' dalle-pytorch 1.6 (`{'hparams', 'weights', ...}` from its train_vae.py,
 `{'hparams', 'vae_params', 'vae_class_name', 'weights', ...}` from its train_dalle.py) as our models.
 
-Read with the weights-only loader: no code from the file runs. The mapping is exact (tests/test_reference.py
+Read with the weights-only loader: no code from the file runs. The mapping is exact (tests/compat/test_reference.py
 compares codes and logits with the real package): its LayerScale, which it always applies, is folded into the
 branch's last linear layer (or the sandwich norm's affine); its logits layer is split into our text and image
 heads; its padding tokens, one per text position, and its token shift are our `reference_layout`.

@@ -6,7 +6,7 @@ encoded with `tokenizer.encode(text, add_special_tokens=False)`: no [CLS] or [SE
 do_lower_case=False (transformers' PRETRAINED_INIT_CONFIGURATION and the hub's tokenizer_config.json): no lower
 case and no accent stripping. The `tokenizers` package's BertWordPieceTokenizer with lowercase=False splits
 the same way (controls removed, each CJK character a word, punctuation split, WordPiece with ## and [UNK],
-[MASK]/[CLS]/... kept whole); tests/test_tokenizers.py checks the ids against BertTokenizer's.
+[MASK]/[CLS]/... kept whole); tests/data/test_tokenizers.py checks the ids against BertTokenizer's.
 
 The vocabulary (21128 lines) cannot be downloaded here: it comes from --bpe_path (bert-base-chinese's vocab.txt,
 or its tokenizer.json) or, without it, from the cn-clip package, which ships the same file

@@ -14,7 +14,7 @@ The text queries attend causally over the text.
 
 `SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
 cover exactly the mask's True entries, so this path computes the same function as SDPA with the mask
-(tests/test_sparse_attention.py compares outputs and gradients). It serves a whole sequence; a shorter
+(tests/models/test_sparse_attention.py compares outputs and gradients). It serves a whole sequence; a shorter
 prefix (generation's prefill of a partial sequence) and one-token decoding use the dense mask.
 """
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from test_launchers import assert_same, dalle_args, grad_norms, launch, vae_path  # noqa: F401
+from launch import assert_same, dalle_args, grad_norms, launch
 
 from dalle_pytorch.files import safe_load
 from dalle_pytorch.models.sparse_attention import SparseLayout, _FlashPieces, _sparse_attention_ops, sparse_attention
@@ -125,7 +125,7 @@ SPARSE_TYPES = ["--attn_types", "axial_row,axial_col,conv_like,sparse", "--depth
 
 
 @pytest.fixture(scope="module")
-def sparse_reference(vae_path, tmp_path_factory):  # noqa: F811
+def sparse_reference(vae_path, tmp_path_factory):
     import train_dalle
 
     path = str(tmp_path_factory.mktemp("sparse_ref"))
@@ -136,7 +136,7 @@ def sparse_reference(vae_path, tmp_path_factory):  # noqa: F811
 @pytest.mark.parametrize(
     "kind,extra", [("torchrun-fsdp", ["--distributed_backend", "fsdp"]), ("deepspeed", ["--zero_stage", "3"])]
 )
-def test_two_ranks_train_the_patterns_as_one_process(kind, extra, vae_path, sparse_reference, tmp_path):  # noqa: F811
+def test_two_ranks_train_the_patterns_as_one_process(kind, extra, vae_path, sparse_reference, tmp_path):
     """The layouts are buffers of the model: sharded wrappers move them with it and leave them whole."""
     launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=[*SPARSE_TYPES, *extra]))
     run = os.path.join(tmp_path, "dalle")

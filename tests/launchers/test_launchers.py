@@ -6,158 +6,32 @@ the same permutation, so both see the same samples per step. Clipping is active 
 norm > --clip_grad_norm), so a backend that clipped unsynchronized per-rank gradients would fail here.
 """
 
-import glob
-import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
+from helpers import ROOT
+from launch import (
+    BIN,
+    FAR,
+    NORM_RTOL,
+    PORTS,
+    TINY_VAE,
+    assert_same,
+    dalle_args,
+    grad_norms,
+    launch,
+    restart_from_step_2,
+)
 
 import generate
 import train_dalle
-import train_vae
 from dalle_pytorch.convert import convert
 from dalle_pytorch.files import safe_load
 from dalle_pytorch.training.checkpoints import step_dirs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
-_ports = itertools.count(29700 + os.getpid() % 200)
-# Tolerance: fp32 sums run in another order on 2 ranks, and Adam divides by sqrt(v), which turns a
-# rounding difference in a near-zero gradient into a visible one in that weight. So, in every tensor:
-# every weight within 1e-3 (a third of one step at the learning rate used, 3e-3) and at most 0.5% of its
-# weights (at least one) beyond 1e-5. Per tensor, so that one wrong tensor cannot hide among the others.
-# Adam is blind to a uniform gradient scale (a sum instead of a mean), so the gradient norm that each
-# step logs, taken after synchronization and before clipping, must match too (relative 1e-4).
-CLOSE, FAR, NORM_RTOL = 1e-5, 1e-3, 1e-4
-
-TINY_VAE = [
-    *TINY_VAE_MODEL,
-    *ONE_THREAD,
-    "--num_workers",
-    "0",
-    "--quiet",
-    "--dataset_size",
-    "200",
-    "--log_every",
-    "1",
-    "--sample_every",
-    "2",
-]
-
-
-def dalle_args(vae_path, out, batch, steps=3, extra=()):
-    return [
-        "--vae_path",
-        vae_path,
-        *TINY_DALLE_MODEL,
-        *ONE_THREAD,
-        "--batch_size",
-        str(batch),
-        "--num_workers",
-        "0",
-        "--quiet",
-        "--dataset_size",
-        "200",
-        "--log_every",
-        "1",
-        "--steps",
-        str(steps),
-        "--output_dir",
-        out,
-        "--warmup_steps",
-        "0",
-        "--learning_rate",
-        "3e-3",
-        "--clip_grad_norm",
-        "1.0",
-        "--save_every_n_steps",
-        "2",
-        "--sample_every",
-        "2",
-        "--sample_captions",
-        "a red circle",
-        *extra,
-    ]
-
-
-def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
-    port = str(next(_ports))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    script = os.path.join(ROOT, script)
-    if kind.startswith("torchrun"):
-        cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", port, script, *args]
-    elif kind == "deepspeed":
-        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", port, script, *args]
-    elif kind == "horovod":
-        cmd = [
-            os.path.join(BIN, "horovodrun"),
-            "--gloo",
-            "-np",
-            "2",
-            "-H",
-            "localhost:2",
-            sys.executable,
-            script,
-            *args,
-        ]
-    else:
-        raise ValueError(kind)
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    finally:  # DeepSpeed's CPU allreduce segments (66 MB per rank, in RAM): our backend unlinks them
-        leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
-        for path in leaked:
-            os.remove(path)  # a failed run's too, so that failures do not fill the machine's memory
-    assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    assert not leaked, f"{kind} left shared memory behind: {leaked}"
-    return out.stdout
-
-
-@pytest.fixture(scope="module")
-def vae_path(tmp_path_factory):
-    return train_vae.main(
-        [*TINY_VAE, "--batch_size", "8", "--steps", "2", "--output_dir", str(tmp_path_factory.mktemp("vae"))]
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(vae_path, tmp_path_factory):
-    """1 process with the whole batch: 8 per step, and 16 per step for the accumulation runs."""
-    out = {}
-    for batch in (8, 16):
-        path = str(tmp_path_factory.mktemp(f"ref{batch}"))
-        weights = safe_load(train_dalle.main(dalle_args(vae_path, path, batch)))["weights"]
-        out[batch] = (weights, grad_norms(os.path.join(path, "dalle")))
-    return out
-
-
-def grad_norms(run_dir):
-    return [json.loads(line)["grad_norm"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-def assert_same(a: dict, b: dict, far: float = FAR, beyond_close: float = 0.005):
-    """Every tensor of `b` matches `a`: all of its elements within `far`, at most a fraction `beyond_close`
-    of them (and at least one element, for a 32-element bias) beyond CLOSE."""
-    assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())}"
-    wrong = []
-    for k in a:
-        assert a[k].shape == b[k].shape, f"{k}: shape {tuple(a[k].shape)} != {tuple(b[k].shape)}"
-        diff = (a[k].float() - b[k].float()).abs().flatten()
-        if diff.numel() == 0:
-            continue
-        beyond, allowed = int((diff > CLOSE).sum()), max(1, int(beyond_close * diff.numel()))
-        if diff.max() > far or beyond > allowed:
-            wrong.append(
-                f"{k} {tuple(a[k].shape)}: max difference {diff.max():.2e} (limit {far:.0e}), "
-                f"{beyond} of {diff.numel()} elements beyond {CLOSE:.0e} (limit {allowed})"
-            )
-    assert not wrong, "tensors differ:\n" + "\n".join(wrong)
 
 
 def test_assert_same_catches_one_wrong_tensor():
@@ -250,7 +124,7 @@ def test_train_vae_under_launcher(kind, tmp_path):
 
 def test_two_nodes_on_loopback(vae_path, tmp_path):
     """torchrun --nnodes 2: two 'nodes' of one process each, sharing a static rendezvous on 127.0.0.1."""
-    port = str(next(_ports))
+    port = str(next(PORTS))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     args = dalle_args(vae_path, str(tmp_path), 4)
     procs = [
@@ -331,13 +205,6 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     one = dalle_args(vae_path, str(tmp_path / "one"), 4, steps=4, extra=["--global_batch_size", "8"])
     train_dalle.main([*one, "--resume", "auto"])
     assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
-
-
-def restart_from_step_2(src, dst):
-    """A copy of a finished 4-step run as if it had died right after its step-2 checkpoint."""
-    shutil.copytree(src, dst)
-    shutil.rmtree(dst / "checkpoints" / "step-00000004")
-    os.remove(dst / "dalle.pt")
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers

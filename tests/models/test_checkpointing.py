@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
+from launch import assert_same, dalle_args, grad_norms, launch
 from test_dalle import VARIANTS, batch, model
-from test_launchers import assert_same, dalle_args, grad_norms, launch, reference, vae_path  # noqa: F401
 
 from dalle_pytorch.files import safe_load
 
@@ -64,7 +64,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind,extra", CASES, ids=[f"{k}-{' '.join(e[1:])}" for k, e in CASES])
-def test_two_ranks_with_recomputation_equal_one_process_without(kind, extra, vae_path, reference, tmp_path):  # noqa: F811
+def test_two_ranks_with_recomputation_equal_one_process_without(kind, extra, vae_path, reference, tmp_path):
     launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=[*extra, "--checkpoint_activations"]))
     run = os.path.join(tmp_path, "dalle")
     ref_weights, ref_norms = reference[16 if "--global_batch_size" in extra else 8]
@@ -88,7 +88,7 @@ def test_recomputation_under_autocast_gives_the_same_gradients(dtype):
 
 
 @pytest.mark.slow
-def test_recomputation_with_compile_trains(vae_path, tmp_path):  # noqa: F811
+def test_recomputation_with_compile_trains(vae_path, tmp_path):
     import train_dalle
 
     args = dalle_args(vae_path, str(tmp_path), 8, extra=["--checkpoint_activations", "--compile"])

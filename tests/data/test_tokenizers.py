@@ -2,7 +2,8 @@
 (`--tokenizer chinese`) give the ids lucidrains' DALLE-pytorch 1.6.6 gave, survive an export, and train.
 
 The expected ids are fixtures computed once from the predecessor: tests/fixtures/clip_bpe_ids.json from its
-SimpleTokenizer (`PYTHONPATH=. python tests/test_tokenizers.py` rewrites it from an unpacked dalle-pytorch==1.6.6 wheel:
+SimpleTokenizer (`PYTHONPATH=.:tests python tests/data/test_tokenizers.py` rewrites it from an unpacked
+dalle-pytorch==1.6.6 wheel:
 `pip download --no-deps dalle-pytorch==1.6.6` and unzip it, then set DALLE_PYTORCH_166 to its dalle_pytorch/),
 tests/fixtures/chinese_bert_ids.json from transformers' BertTokenizer in a separate venv (transformers pins
 other tokenizers versions than ours). With those at hand the tests compare live too, else they skip that part.
@@ -18,14 +19,13 @@ import types
 
 import pytest
 import torch
-from helpers import ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
+from helpers import FIXTURES, ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 from dalle_pytorch.data.build import build_text_tokenizer
 from dalle_pytorch.data.chinese import ChineseTokenizer, packaged_vocab
 from dalle_pytorch.data.clip_bpe import BUNDLED, ClipTokenizer, read_merges
 from dalle_pytorch.data.tokenizer import tokenizer_from_dict
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 PREDECESSOR = os.environ.get("DALLE_PYTORCH_166", "/tmp/dp166_tok/pkg/dalle_pytorch")
 CHINESE_VOCAB = os.environ.get("DALLE_CHINESE_VOCAB", "") or packaged_vocab()
 FLAGS = {"bpe_path": "", "hug": False, "bpe_vocab_size": 64}

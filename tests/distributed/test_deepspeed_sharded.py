@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from test_launchers import assert_same, dalle_args, launch, restart_from_step_2, vae_path  # noqa: F401
+from launch import assert_same, dalle_args, launch, restart_from_step_2
 from torch.distributed.checkpoint import FileSystemReader
 
 import train_dalle
@@ -48,7 +48,7 @@ def tensor_bytes_per_file(dcp_dir) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_every_rank_writes_its_share(stage, vae_path, tmp_path, capsys):  # noqa: F811 (the fixture)
+def test_every_rank_writes_its_share(stage, vae_path, tmp_path, capsys):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", stage]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=args))
     run = tmp_path / "ds" / "dalle"

@@ -22,8 +22,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import ONE_THREAD
-from test_launchers import launch
+from helpers import ONE_THREAD, TESTS
+from launch import launch
 
 import generate
 import train_dalle
@@ -32,9 +32,8 @@ from dalle_pytorch import convert
 from dalle_pytorch.data.shapes_export import export_folder, sample
 from dalle_pytorch.inference.load import load_dalle
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OLD = os.path.join(HERE, "fixtures", "reference", "plain")  # vae.pt and dalle.pt written by dalle-pytorch 1.6.6
-OLD_BPE = os.path.join(HERE, "fixtures", "reference", "bpe.yttm")  # the tokenizer its dalle.pt was trained with
+OLD = os.path.join(TESTS, "fixtures", "reference", "plain")  # vae.pt and dalle.pt written by dalle-pytorch 1.6.6
+OLD_BPE = os.path.join(TESTS, "fixtures", "reference", "bpe.yttm")  # the tokenizer its dalle.pt was trained with
 
 
 def tiny(script: str, out: str, args: list[str]) -> list[str]:

@@ -10,12 +10,11 @@ import time
 
 import psutil
 import pytest
-from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
+from helpers import ROOT, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
 import train_vae
 from dalle_pytorch.training.checkpoints import step_dirs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 

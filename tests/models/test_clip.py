@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
-from test_launchers import NORM_RTOL, assert_same, grad_norms, launch
+from launch import NORM_RTOL, assert_same, grad_norms, launch
 
 import generate
 import train_clip

@@ -13,14 +13,14 @@ import sys
 
 import pytest
 import torch
+from helpers import TESTS
 
 from dalle_pytorch import convert
 from dalle_pytorch.compat.weights import predecessor_dalle_config
 from dalle_pytorch.inference.export import load_export
 from dalle_pytorch.inference.load import load_dalle, vae_from_export
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.join(HERE, "fixtures", "reference")
+FIXTURES = os.path.join(TESTS, "fixtures", "reference")
 BPE = os.path.join(FIXTURES, "bpe.yttm")  # the YouTokenToMe model both sides use (60 tokens)
 CACHE = os.environ.get("DALLE_CACHE") or os.path.expanduser("~/.cache/dalle-pytorch")
 REFERENCE_DIR = os.path.join(CACHE, "reference", "dalle-pytorch-1.6.6")
@@ -42,7 +42,7 @@ def reference(request, tmp_path_factory):
     if not LIVE:
         return os.path.join(FIXTURES, case)
     out = str(tmp_path_factory.mktemp(case))
-    script = os.path.join(HERE, "reference_run.py")
+    script = os.path.join(TESTS, "reference_run.py")
     subprocess.run([sys.executable, "-I", script, REFERENCE_DIR, out, case, "60"], check=True)
     return out
 

@@ -17,7 +17,7 @@ import zipfile
 import pytest
 import torch
 import yaml
-from helpers import TINY_DALLE_MODEL
+from helpers import FIXTURES, TINY_DALLE_MODEL
 from pretrained_refs import (
     VQGAN_DDCONFIG,
     block_images,
@@ -33,7 +33,7 @@ from dalle_pytorch.models.inert_pickle import load_untrusted
 from dalle_pytorch.models.pretrained import load_openai, load_vqgan, read_vqgan_config, vqgan_weights
 from dalle_pytorch.models.vqgan import VQGAN, VQGANConfig
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "pretrained_reference.pt")
+FIXTURE = os.path.join(FIXTURES, "pretrained_reference.pt")
 
 
 class CheckpointCallback:  # stands for Lightning's callbacks: classes weights_only refuses
