@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install demo test test-launchers test-all lint format clean
+.PHONY: install demo test test-fast test-launchers test-all lint format clean
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,11 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The default suite: unit tests, then the real launchers on 2 local ranks (11-13 minutes on 2 cores).
+# A developer's loop: models, data, schedules, the loop with a fake task, 2-rank checks by fork + Gloo (under a minute).
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not launcher and not launchers and not slow"
+
+# The default suite, what CI runs: everything but what is marked slow, the real launchers on 2 local ranks included.
 test: install lint
 	$(PY) -m pytest -q -m "not slow"
 

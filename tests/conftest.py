@@ -21,6 +21,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/launchers/ starts a real launcher; elsewhere such tests say so themselves."""
+    launchers = os.path.join(TESTS, "launchers") + os.sep
+    for item in items:
+        if str(item.path).startswith(launchers):
+            item.add_marker(pytest.mark.launcher)
+
+
 class Handler(BaseHTTPRequestHandler):
     """Serves server.files by name, with `Range: bytes=N-` unless server.ignore_range; logs every GET."""
 

@@ -7,6 +7,7 @@ import pytest
 from helpers import ROOT
 
 
+@pytest.mark.launcher
 @pytest.mark.slow  # 110 s on 2 cores: out of `make test`'s 15-minute budget, in `make test-all`
 def test_gpu_script_dry_run(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}

@@ -127,6 +127,7 @@ def test_train_dalle_on_its_vae_then_generate(files, tmp_path, capsys):
     assert len(folders) == 1 and "caption: a dog chewing a" in capsys.readouterr().out  # kept, then continued
 
 
+@pytest.mark.e2e
 def test_resume_from_its_dalle(files, tmp_path, capsys):
     """Its dalle.pt (the tokenizer it was trained with passed again, as its train_dalle.py needed too)."""
     old = os.path.join(str(tmp_path), "dalle.pt")
@@ -211,6 +212,7 @@ def _read(files, n: int) -> bytes:  # every URL serves the shard with jpg,json s
         return f.read()
 
 
+@pytest.mark.launcher
 @pytest.mark.launchers
 def test_horovod(files, tmp_path):
     # the README's `horovodrun -np <num-gpus> <file>.py [args...] --distributed_backend horovod`

@@ -67,6 +67,7 @@ def _check_codes(vae, expected):
     assert torch.equal(codes[decided], expected["codes"][decided])
 
 
+@pytest.mark.e2e
 def test_vae_gives_the_same_codes(reference, tmp_path):
     out = str(tmp_path / "vae.pt")
     convert.main(["--from_reference", os.path.join(reference, "vae.pt"), "--out", out])
@@ -74,6 +75,7 @@ def test_vae_gives_the_same_codes(reference, tmp_path):
     _check_codes(vae, _expected(reference))
 
 
+@pytest.mark.e2e
 def test_dalle_gives_the_same_logits(reference, tmp_path):
     out = str(tmp_path / "dalle.pt")
     convert.main(["--from_reference", os.path.join(reference, "dalle.pt"), "--out", out, "--bpe_path", BPE])
@@ -85,11 +87,13 @@ def test_dalle_gives_the_same_logits(reference, tmp_path):
     assert tokenizer.encode("A Cat") != tokenizer.encode("a cat")
 
 
+@pytest.mark.e2e
 def test_a_predecessor_file_loads_directly(reference):
     dalle, _, _ = load_dalle(os.path.join(reference, "dalle.pt"), predecessor={"bpe_path": BPE})
     _check_logits(dalle, _expected(reference))
 
 
+@pytest.mark.e2e
 def test_a_tokenizer_of_another_size_is_refused(reference, tmp_path, capsys):
     with pytest.raises(SystemExit):
         convert.main(["--from_reference", os.path.join(reference, "dalle.pt"), "--out", str(tmp_path / "x.pt")])
@@ -115,6 +119,7 @@ def test_its_chinese_tokenizer_takes_the_vocabulary_from_bpe_path(tmp_path):
     assert tokenizer.kind == "chinese" and tokenizer.encode("你好") == [5, 6]
 
 
+@pytest.mark.e2e
 def test_generate_reads_a_predecessor_file(reference, tmp_path):
     import generate
 

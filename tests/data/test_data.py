@@ -109,6 +109,7 @@ def test_webdataset_corrupt_sample_skipped(tmp_path):
     assert ds.num_skipped == 1
 
 
+@pytest.mark.e2e
 def test_streamed_vae_run_without_steps_is_the_loops_message(tmp_path, capsys):
     """A stream has no length: the trainer says to set --steps (it once ended in a TypeError traceback)."""
     from helpers import TINY_VAE_MODEL

@@ -202,6 +202,7 @@ def test_chinese_ids_equal_bert_base_chineses(chinese):
 # --- end to end
 
 
+@pytest.mark.e2e
 def test_train_dalle_with_the_clip_tokenizer(tmp_path):
     import train_dalle
     import train_vae

@@ -124,6 +124,7 @@ def test_topology_from_each_launcher(env, launcher, rank, world, local, node):
         assert t.master_addr == "gpu07"
 
 
+@pytest.mark.launcher
 def test_backend_choice_and_refusals():
     assert resolve_backend("auto", Topology("none")) == "single"
     assert resolve_backend("auto", Topology("torchrun", world_size=2)) == "ddp"

@@ -47,6 +47,7 @@ def tensor_bytes_per_file(dcp_dir) -> dict[str, int]:
     return out
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_every_rank_writes_its_share(stage, vae_path, tmp_path, capsys):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", stage]

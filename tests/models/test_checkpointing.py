@@ -43,6 +43,7 @@ def test_recomputation_keeps_fewer_activations():
     assert saved[1] < saved[0] / 2, saved
 
 
+@pytest.mark.e2e
 def test_models_without_blocks_refuse_the_flag(tmp_path, capsys):
     from helpers import TINY_VAE_MODEL
 
@@ -63,6 +64,7 @@ CASES = [
 ]
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize("kind,extra", CASES, ids=[f"{k}-{' '.join(e[1:])}" for k, e in CASES])
 def test_two_ranks_with_recomputation_equal_one_process_without(kind, extra, vae_path, reference, tmp_path):
     launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=[*extra, "--checkpoint_activations"]))
@@ -87,6 +89,7 @@ def test_recomputation_under_autocast_gives_the_same_gradients(dtype):
         torch.testing.assert_close(grads[1][name], g, msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_recomputation_with_compile_trains(vae_path, tmp_path):
     import train_dalle

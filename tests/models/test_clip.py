@@ -108,6 +108,7 @@ def reference(dalle_path, tmp_path_factory):
     return weights, grad_norms(os.path.join(out, "clip"))
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize(
     "kind,extra",
     [
@@ -129,6 +130,7 @@ def test_two_ranks_equal_one_process_at_the_same_global_batch(kind, extra, dalle
     assert_same(ref_weights, safe_load(os.path.join(run, "clip.pt"))["weights"])
 
 
+@pytest.mark.e2e
 def test_generate_reranks_with_guidance_priming_and_compile(dalle_path, tmp_path):
     clip_path = train_clip.main(clip_args(dalle_path, str(tmp_path), 16))
     common = ["--dalle_path", dalle_path, "--text", "a red circle", "--num_images", "6", "--quiet"]
@@ -163,6 +165,7 @@ def _an_image(tmp_path):
     return path
 
 
+@pytest.mark.e2e
 def test_a_clip_that_does_not_fit_is_refused(dalle_path, tmp_path, capsys):
     other = train_clip.main(
         [
@@ -197,6 +200,7 @@ def test_encoders_need_a_block(flag):
         CLIPConfig(**{flag: 0})
 
 
+@pytest.mark.e2e
 def test_the_evaluation_reranks_with_clip(dalle_path, tmp_path):
     """python -m dalle_pytorch.eval with --clip_path: plain and reranked rows per split, CLIP's retrieval,
     and the best rate any reranker could reach with these candidates."""

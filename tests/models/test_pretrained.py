@@ -116,6 +116,7 @@ def _check_against_fixture(vae, case):
     torch.testing.assert_close(vae.decode(case["codes"]), case["decoded"], atol=DECODED_ATOL, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
 def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
     case = reference[kind]
@@ -128,6 +129,7 @@ def test_vqgan_matches_the_taming_fixture(reference, tmp_path, kind):
     assert load_vqgan(str(tmp_path / "plain.pt"), config)[1]["fingerprint"] == record["fingerprint"]
 
 
+@pytest.mark.e2e
 def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
     case = reference["openai"]
     directory = write_openai(tmp_path, *split(_regenerate(case)))
@@ -136,6 +138,7 @@ def test_openai_matches_the_dall_e_fixture(reference, tmp_path):
     _check_against_fixture(vae, case)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["vqgan", "gumbel_vqgan"])
 def test_full_size_vqgans_have_the_upstream_weight_names_and_shapes(reference, tmp_path, kind):
     full = reference[kind]["full_size"]
@@ -146,6 +149,7 @@ def test_full_size_vqgans_have_the_upstream_weight_names_and_shapes(reference, t
         assert shapes_of(VQGAN(cfg)) == full["shapes"]
 
 
+@pytest.mark.e2e
 def test_full_size_openai_dvae_has_the_upstream_weight_names_and_shapes(reference):
     from dalle_pytorch.models.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 
@@ -351,6 +355,7 @@ def tiny_vqgan_files(tmp_path, seed=0, name="vqgan"):
     return write_vqgan(tmp_path, random_weights(shapes_of(model), seed), dd, 32, 32, gumbel=False, name=name)
 
 
+@pytest.mark.e2e
 def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
     from PIL import Image
 
@@ -397,6 +402,7 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
     assert torch.load(converted, weights_only=True)["vae"] == record
 
 
+@pytest.mark.e2e
 def test_train_and_generate_with_openai_dvae(tmp_path):
     import generate
     import train_dalle
@@ -415,6 +421,7 @@ def test_train_and_generate_with_openai_dvae(tmp_path):
     assert os.path.exists(os.path.join(folder, "0000.png"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -133,6 +133,7 @@ def sparse_reference(vae_path, tmp_path_factory):
     return weights, grad_norms(os.path.join(path, "dalle"))
 
 
+@pytest.mark.launcher
 @pytest.mark.parametrize(
     "kind,extra", [("torchrun-fsdp", ["--distributed_backend", "fsdp"]), ("deepspeed", ["--zero_stage", "3"])]
 )

@@ -54,6 +54,7 @@ def _alpha_varies(path: str) -> bool:
     return len(np.unique(np.asarray(image)[..., 3])) > 1
 
 
+@pytest.mark.e2e
 def test_rgba_runs_keep_their_alpha(rgba_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

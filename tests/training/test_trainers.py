@@ -56,6 +56,7 @@ def vae_path(tmp_path_factory):
     return train_vae.main([*TINY_VAE, "--steps", "4", "--output_dir", str(out), "--sample_every", "2"])
 
 
+@pytest.mark.e2e
 def test_vae_run_directory(vae_path):
     run = os.path.dirname(vae_path)
     for name in ("config.json", "metrics.jsonl", "train.log", "vae.pt"):
@@ -112,6 +113,7 @@ ONE_BATCH = [
 ]
 
 
+@pytest.mark.e2e
 def test_dalle_overfits_one_batch(vae_path, tmp_path):
     train_dalle.main(
         [*tiny_dalle(vae_path), *ONE_BATCH, "--steps", "25", "--learning_rate", "1e-2", "--output_dir", str(tmp_path)]
@@ -124,6 +126,7 @@ def test_dalle_overfits_one_batch(vae_path, tmp_path):
     assert last["text_loss"] < 0.5 * first["text_loss"], (first, last)
 
 
+@pytest.mark.e2e
 def test_vae_overfits_one_batch(tmp_path):
     train_vae.main([*TINY_VAE, *ONE_BATCH, "--steps", "60", "--learning_rate", "3e-3", "--output_dir", str(tmp_path)])
     rows = _metrics(os.path.join(tmp_path, "vae"))
@@ -133,6 +136,7 @@ def test_vae_overfits_one_batch(tmp_path):
     assert last["psnr"] > first["psnr"] + 4, (first, last)
 
 
+@pytest.mark.e2e
 def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
     args = [
         *tiny_dalle(vae_path),
@@ -162,6 +166,7 @@ def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
         assert torch.equal(full[k], resumed[k]), k
 
 
+@pytest.mark.e2e
 def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
     args = [
         *TINY_VAE,
@@ -186,6 +191,7 @@ def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
+@pytest.mark.e2e
 def test_auto_resume_skips_partial_and_corrupt(vae_path, tmp_path, capsys):
     args = [
         *tiny_dalle(vae_path),
@@ -225,6 +231,7 @@ def test_malicious_pickle_is_refused(tmp_path):
     assert not os.path.exists("/tmp/dalle_pwned")
 
 
+@pytest.mark.e2e
 def test_user_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_vae.main([*TINY_VAE, "--image_folder", str(tmp_path), "--output_dir", str(tmp_path)])
@@ -238,6 +245,7 @@ def test_user_errors_are_one_line(tmp_path, capsys):
     assert "not a multiple" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_accumulation_equals_large_batch(vae_path, tmp_path):
     common = [*tiny_dalle(vae_path), "--steps", "3", "--save_every_n_steps", "0", "--sample_every", "0"]
     big = train_dalle.main([*common, "--batch_size", "8", "--output_dir", str(tmp_path / "a")])
@@ -249,6 +257,7 @@ def test_accumulation_equals_large_batch(vae_path, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_train_dalle_on_webdataset_shards(vae_path, tmp_path):
     from dalle_pytorch.data.shapes_export import export_wds
 
@@ -278,6 +287,7 @@ def test_train_dalle_on_webdataset_shards(vae_path, tmp_path):
         )
 
 
+@pytest.mark.e2e
 def test_plot_draws_the_curves(vae_path):
     from PIL import Image
 
@@ -298,6 +308,7 @@ def test_plot_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_train_vae_on_webdataset_shards(tmp_path):
     from dalle_pytorch.data.shapes_export import export_wds
 
@@ -325,6 +336,7 @@ def test_train_vae_on_webdataset_shards(tmp_path):
     assert os.path.exists(export)
 
 
+@pytest.mark.e2e
 def test_resume_with_another_vae_is_refused(vae_path, tmp_path, capsys):
     args = [*tiny_dalle(vae_path), "--steps", "2", "--output_dir", str(tmp_path), "--sample_every", "0"]
     train_dalle.main(args)
@@ -334,6 +346,7 @@ def test_resume_with_another_vae_is_refused(vae_path, tmp_path, capsys):
     assert "is not the VAE this run was trained with" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_wandb_offline_logging(vae_path, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -341,6 +354,7 @@ def test_wandb_offline_logging(vae_path, tmp_path, monkeypatch):
     assert os.path.isdir(os.path.join(tmp_path, "vae", "wandb"))
 
 
+@pytest.mark.e2e
 def test_unknown_flag_value_is_one_line(capsys):
     with pytest.raises(SystemExit):
         train_vae.main(["--precision", "fp8"])
@@ -348,6 +362,7 @@ def test_unknown_flag_value_is_one_line(capsys):
     assert "invalid choice: 'fp8'" in err and "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
     import errno
 
@@ -363,6 +378,7 @@ def test_out_of_disk_is_one_line(tmp_path, capsys, monkeypatch):
     assert "out of disk space" in err and "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_precomputed_tokens_train_and_are_cached(vae_path, tmp_path, capsys):
     args = [
         *tiny_dalle(vae_path),
@@ -381,6 +397,7 @@ def test_precomputed_tokens_train_and_are_cached(vae_path, tmp_path, capsys):
     assert "precomputed image tokens" not in capsys.readouterr().out  # reused
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_compile_flag_trains(vae_path, tmp_path):
     export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "3", "--output_dir", str(tmp_path), "--compile"])
@@ -415,12 +432,14 @@ def test_sampler_position_holds_at_any_world_size(new_world):
 SPARSE_ARGS = ["--attn_types", "full,axial_row,axial_col,conv_like,sparse", "--depth", "5"]
 
 
+@pytest.mark.e2e
 def test_sparse_patterns_train(vae_path, tmp_path):
     """The predecessor's comma-separated --attn_types, each pattern computed sparsely."""
     export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "2", *SPARSE_ARGS, "--output_dir", str(tmp_path)])
     assert all(torch.isfinite(w).all() for w in safe_load(export)["weights"].values())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sparse_patterns_train_compiled_with_recomputation(vae_path, tmp_path):
     extra = ["--compile", "--checkpoint_activations", "--output_dir", str(tmp_path)]
