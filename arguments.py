@@ -113,6 +113,102 @@ class TrainConfig:
         return self.global_batch_size // per_step
 
 
+# ----------------------------------------------------------------------------------- the trainers' run configs
+
+
+@dataclass
+class CaptionDataConfig:
+    """Image/caption data: train_dalle.py's and train_clip.py's."""
+
+    image_text_folder: str = flag(
+        "", "folder of x.jpg + x.txt pairs, or WebDataset shard URLs with --wds; empty: the built-in synthetic dataset"
+    )
+    wds: str = flag(
+        "", "image and caption keys of WebDataset shards, e.g. jpg,txt: --image_text_folder holds the shard URLs"
+    )
+    resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
+
+
+@dataclass
+class TextTokenizerConfig:
+    """The text tokenizer: train_dalle.py's and train_clip.py's (without --dalle_path)."""
+
+    tokenizer: str = flag(
+        "yttm",
+        "text tokenizer: yttm or byte (either gives way to a --bpe_path), clip (OpenAI CLIP's BPE, bundled: "
+        "lucidrains' DALLE-pytorch's default), chinese (bert-base-chinese's WordPiece, its vocab.txt from "
+        "--bpe_path or the cn-clip package)",
+        choices=("yttm", "byte", "clip", "chinese"),
+    )
+    bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
+    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
+    bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
+
+
+@dataclass
+class VAERunConfig:
+    """train_vae.py's own flags."""
+
+    image_folder: str = flag(
+        "", "folder of images (searched recursively), or WebDataset shard URLs with --wds; empty: the built-in dataset"
+    )
+    wds: str = flag("", "image key of WebDataset shards (e.g. jpg): --image_folder then holds the shard URLs")
+    resize_ratio: float = flag(1.0, "random resized crop keeps at least this fraction of the image (1: no crop)")
+    starting_temp: float = flag(1.0, "Gumbel-softmax temperature at step 0")
+    temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")
+    anneal_steps: int = flag(0, "steps over which the temperature anneals; 0: the whole run")
+    temp_schedule: str = flag("cosine", "temperature anneal shape", choices=("cosine", "exponential", "linear"))
+    vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.pt)")
+
+
+DEFAULT_SAMPLE_CAPTIONS = [
+    "a large red circle on the left",
+    "a small blue triangle above a large yellow square",
+    "a big green square to the right of a small purple circle",
+    "a small cyan triangle in the center",
+]
+
+
+@dataclass
+class DALLERunConfig(CaptionDataConfig, TextTokenizerConfig):
+    """train_dalle.py's own flags, with the caption data and text tokenizer groups."""
+
+    vae_path: str = flag(
+        "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
+    )
+    dalle_path: str = flag(
+        "",
+        "start from this DALLE export (or a dalle-pytorch 1.6 dalle.pt): its model, weights, tokenizers and VAE; "
+        "the model and tokenizer flags are not used",
+    )
+    taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
+    vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
+    vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
+    openai_vae_path: str = flag("", "a folder with OpenAI's dVAE: encoder.pkl + decoder.pkl, or their state dicts .pt")
+    pretrained_image_size: int = flag(
+        0, "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE)"
+    )
+    bpe_lowercase: bool = flag(
+        False, "lowercase captions for a --bpe_path YouTokenToMe model (runs before 2026-12 did)"
+    )
+    dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.pt)")
+    precompute_tokens: bool = flag(
+        False, "run the VAE over the data once before training (cached as RUN_DIR/tokens.pt; fixed crops)"
+    )
+    sample_captions: list = flag(DEFAULT_SAMPLE_CAPTIONS, "captions drawn in the sample grids")
+
+
+@dataclass
+class CLIPRunConfig(CaptionDataConfig, TextTokenizerConfig):
+    """train_clip.py's own flags, with the caption data and text tokenizer groups."""
+
+    dalle_path: str = flag("", "the DALLE export to rerank for: its tokenizer, caption length and image size")
+    image_size: int = flag(32, "image side without --dalle_path")
+    channels: int = flag(3, "image channels without --dalle_path")
+    text_seq_len: int = flag(32, "caption tokens without --dalle_path")
+    clip_output: str = flag("", "path of the export (default: RUN_DIR/clip.pt)")
+
+
 # ----------------------------------------------------------------------------------------------- parsing
 
 

@@ -29,7 +29,7 @@ from .data.build import build_text_tokenizer
 from .errors import user_errors
 from .files import safe_load
 from .inference.export import save_export
-from .training.build import load_image_tokenizer, start_of
+from .training.image_tokenizer import load_image_tokenizer, start_of
 
 
 def convert(ckpt_dir: str, out: str) -> str:

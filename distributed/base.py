@@ -188,7 +188,7 @@ class Recovery:
 
     world_size_may_change = False
 
-    def run(self, steps, pos):
+    def drive(self, steps, pos):
         return steps(pos)
 
     def commit(self, pos) -> None:

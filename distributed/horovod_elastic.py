@@ -127,7 +127,7 @@ class ElasticRecovery:
         self.backend, self.commit_every = backend, commit_every
         self._state = None
 
-    def run(self, steps, pos):
+    def drive(self, steps, pos):
         self._state = ElasticState(self.backend, self.backend._stepper, pos)
         self.backend._joining = False
 

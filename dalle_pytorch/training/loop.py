@@ -19,7 +19,7 @@ from distributed import Workload
 from .batches import ShardedSampler, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
 from .metrics import MetricWindow
-from .run import RunDir, progress
+from .run_dir import RunDir, progress
 from .schedules import lr_factor
 from .signals import StopFlag
 from .task import Task
@@ -58,14 +58,14 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
     pos = resume(cfg.resume, backend, run)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step, save, exit
         parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop)
-        pos = recovery.run(lambda p: run_steps(parts, p), pos)
+        pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     return pos
 
 
 @dataclass
 class Parts:
-    """What train() built and run_steps() uses."""
+    """What train() built and train_steps() uses."""
 
     task: Task
     cfg: object  # TrainConfig
@@ -78,7 +78,7 @@ class Parts:
     stop: StopFlag
 
 
-def run_steps(parts: Parts, pos: Position) -> Position:
+def train_steps(parts: Parts, pos: Position) -> Position:
     """The steps from `pos` to the end. Everything that depends on the rank and world size is built here, so
     an elastic recovery can call it again, on the position it rolled back to, after workers came or went."""
     task, cfg, backend, run, model, total = parts.task, parts.cfg, parts.backend, parts.run, parts.model, parts.total

@@ -11,11 +11,11 @@ import torch
 from distributed import make_backend, set_threads, topology_from_env
 
 from ..data.build import build_dataset, build_text_tokenizer, describe
-from .run import RunDir
+from .run_dir import RunDir
 
 
 @contextmanager
-def distributed_run(cfg, default_name: str, configs: dict, backend_options: dict):
+def training_session(cfg, default_name: str, configs: dict, backend_options: dict):
     """Set up the backend and the run directory; tear down on exit. Yields (backend, recovery, run).
 
     `cfg`: the run's TrainConfig; `configs`: the sections of config.json; `backend_options`: each backend's
@@ -57,19 +57,12 @@ def distributed_run(cfg, default_name: str, configs: dict, backend_options: dict
         backend.teardown()
 
 
-def run_dataset(
-    folder: str,
-    wds: str,
-    captions: bool,
-    image_size: int,
-    channels: int,
+def rank_dataset(
+    cfg, backend, run, *, folder: str, folder_flag: str, wds: str, captions: bool, image_size: int, channels: int,
     resize_ratio: float,
-    cfg,
-    backend,
-    run,
-    folder_flag: str,
-):
-    """The trainers' dataset (data.build.build_dataset) for this rank, said in the run's log."""
+):  # fmt: skip
+    """This rank's part of the trainers' data (data.build.build_dataset), said in the run's log: `folder` (given
+    as `folder_flag`) of images, or of image/caption pairs with `captions`; WebDataset shards with `wds`."""
     dataset = build_dataset(
         folder,
         wds,
@@ -87,6 +80,6 @@ def run_dataset(
     return dataset
 
 
-def run_text_tokenizer(flags, cfg, backend, run, dataset):
+def shared_text_tokenizer(flags, cfg, backend, run, dataset):
     """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and read by every rank."""
     return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, backend.barrier, run.print)

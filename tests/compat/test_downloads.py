@@ -176,7 +176,7 @@ FLAGS = dict(vae_path="", taming=False, openai_vae_path="", vqgan_model_path="",
 
 
 def test_a_bare_taming_loads_the_default_vqgan(pretrained_server):
-    from dalle_pytorch.training.build import load_image_tokenizer, tokenizer_flag
+    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer, tokenizer_flag
 
     flags = {**FLAGS, "taming": True, "pretrained_image_size": 0}
     vae, record, fingerprint = load_image_tokenizer(flags)
@@ -197,7 +197,7 @@ def test_no_vae_with_a_data_folder_loads_openais_dvae_and_generate_refetches_it(
     from dalle_pytorch.inference.export import save_export
     from dalle_pytorch.inference.load import load_dalle
     from dalle_pytorch.models.dalle import DALLE, DALLEConfig
-    from dalle_pytorch.training.build import load_image_tokenizer
+    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer
 
     flags = {**FLAGS, "pretrained_image_size": 16, "image_text_folder": str(tmp_path)}
     vae, record, _ = load_image_tokenizer(flags)

@@ -8,8 +8,6 @@ import math
 
 import pytest
 
-import train_dalle
-import train_vae
 from arguments import build_parser
 from dalle_pytorch.compat.flags import top_k_arg, top_k_count
 
@@ -28,13 +26,13 @@ def parse(script, argv, monkeypatch=None, world: int = 1):
 
 
 def _configs(script):
-    from arguments import TrainConfig
+    from arguments import DALLERunConfig, TrainConfig, VAERunConfig
     from dalle_pytorch.models.dalle import DALLEConfig
     from dalle_pytorch.models.vae import VAEConfig
 
     if script == "train_dalle":
-        return (DALLEConfig, "model"), (train_dalle.DALLERunConfig, "run"), (TrainConfig, "training")
-    return (VAEConfig, "model"), (train_vae.VAERunConfig, "run"), (TrainConfig, "training")
+        return (DALLEConfig, "model"), (DALLERunConfig, "run"), (TrainConfig, "training")
+    return (VAEConfig, "model"), (VAERunConfig, "run"), (TrainConfig, "training")
 
 
 def test_renamed_flags_map_and_say_so():

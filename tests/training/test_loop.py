@@ -14,7 +14,7 @@ from torch import nn
 from arguments import TrainConfig
 from dalle_pytorch.training.checkpoints import step_dirs
 from dalle_pytorch.training.loop import train
-from dalle_pytorch.training.session import distributed_run
+from dalle_pytorch.training.session import training_session
 
 
 class FakeTask:
@@ -68,7 +68,7 @@ def config(tmp_path, **overrides) -> TrainConfig:
 
 def fit(cfg: TrainConfig, task: FakeTask):
     """(final position, trained weights) of one run of the loop, with the session the trainers use."""
-    with distributed_run(cfg, "run", {"train": cfg}, {}) as (backend, recovery, run):
+    with training_session(cfg, "run", {"train": cfg}, {}) as (backend, recovery, run):
         pos = train(task, cfg, backend, recovery, run)
         return pos, {k: v.detach().clone() for k, v in task.model.state_dict().items()}
 

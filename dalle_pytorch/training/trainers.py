@@ -1,0 +1,185 @@
+"""What each training script runs, given its parsed configs: the session, the data, the model, the task,
+the loop, and the export. The scripts at the root parse flags and call these (fit_vae, fit_dalle, fit_clip).
+
+The run configs (VAERunConfig, DALLERunConfig, CLIPRunConfig) and TrainConfig live in arguments.py, which this
+package does not import (nothing imports a script)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ..data.tokenized import tokenized
+from ..data.tokenizer import tokenizer_from_dict
+from ..inference.fits import dalle_fit
+from ..models.clip import CLIP, CLIPConfig
+from ..models.dalle import DALLE, DALLEConfig
+from ..models.vae import DiscreteVAE, VAEConfig
+from .batches import total_steps
+from .clip_task import CLIPTask
+from .dalle_task import DALLETask
+from .image_tokenizer import (
+    check_same_tokenizer,
+    load_image_tokenizer,
+    precomputed,
+    start_of,
+    tokenizer_fingerprint,
+    tokenizer_flag,
+)
+from .loop import train
+from .session import rank_dataset, shared_text_tokenizer, training_session
+from .vae_task import VAETask
+
+
+def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
+    """train_vae.py's run: `run_cfg` its VAERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+
+    configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
+    with training_session(cfg, "vae", configs, backend_options) as (backend, recovery, run):
+        dataset = rank_dataset(
+            cfg, backend, run, folder=run_cfg.image_folder, folder_flag="--image_folder", wds=run_cfg.wds,
+            captions=False, image_size=model_cfg.image_size, channels=model_cfg.channels,
+            resize_ratio=run_cfg.resize_ratio,
+        )  # fmt: skip
+        # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
+        anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
+        task = VAETask(
+            DiscreteVAE(model_cfg),
+            dataset,
+            run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
+            (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
+        )
+        pos = train(task, cfg, backend, recovery, run)
+        skipped = getattr(dataset, "num_skipped", 0)
+        if skipped:
+            run.print(f"skipped {skipped} unreadable images")
+        run.print(f"done at step {pos.step}: export {task.export_path}")
+        return task.export_path
+
+
+def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> str:
+    """train_dalle.py's run: `run_cfg` its DALLERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+
+    flags = vars(run_cfg)
+    start = None
+    if run_cfg.dalle_path:
+        start, model_cfg, vae, vae_export, vae_id = _start_from(run_cfg, model_cfg)
+    else:
+        vae, vae_export, vae_id = load_image_tokenizer(flags)
+    if cfg.resume:
+        run_dir = os.path.join(cfg.output_dir, cfg.name or "dalle")
+        check_same_tokenizer(run_dir, vae_id, tokenizer_flag(flags))
+        if run_cfg.bpe_path and not _recorded(run_dir, "bpe_lowercase"):
+            run_cfg.bpe_lowercase = True  # a run started before the flag existed lowercased its captions
+            flags = vars(run_cfg)
+    configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
+    if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
+        configs["pretrained_tokenizer"] = vae_export
+    with training_session(cfg, "dalle", configs, backend_options) as (backend, recovery, run):
+        pairs = rank_dataset(
+            cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
+            captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=run_cfg.resize_ratio,
+        )  # fmt: skip
+        if start is None:
+            tokenizer = shared_text_tokenizer(flags, cfg, backend, run, pairs)
+            model_cfg = dataclasses.replace(
+                model_cfg,
+                num_text_tokens=tokenizer.vocab_size,
+                num_image_tokens=vae.num_tokens,
+                image_fmap_size=vae.fmap_size,
+            )
+        else:  # the export's model, which fits its tokenizers
+            tokenizer = tokenizer_from_dict(start["tokenizer"])
+        run.update_config("model", model_cfg)
+        dalle = DALLE(model_cfg)
+        if start is not None:
+            dalle.load_state_dict(start["weights"])
+            run.print(f"started from {run_cfg.dalle_path} (weights only: a new optimizer and schedule)")
+        n_params = sum(p.numel() for p in dalle.parameters())
+        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
+        dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
+        if run_cfg.precompute_tokens:
+            dataset = precomputed(dataset, vae, vae_id, run, backend)
+        export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.pt")
+        task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed)
+        pos = train(task, cfg, backend, recovery, run)
+        skipped = getattr(pairs, "num_skipped", 0)
+        if skipped:
+            run.print(f"skipped {skipped} unreadable samples")
+        if dataset.truncated.value:
+            run.print(f"truncated {dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
+        run.print(f"done at step {pos.step}: export {task.export_path}")
+        return task.export_path
+
+
+def _recorded(run_dir: str, key: str) -> bool:
+    """Whether the run's config.json records `key` in its dalle section (True for a run without a config yet)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return True
+    with open(path) as f:
+        return key in json.load(f).get("dalle", {})
+
+
+# what --dalle_path fixes (its export's model) and what a fine-tuning run may still change
+_TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weight", "null_cond_prob")
+
+
+def _start_from(run_cfg, model_cfg: DALLEConfig):
+    """(export, its model config with the training-only flags given, image tokenizer, its export or record,
+    its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
+
+    given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
+    if given:
+        raise ValueError(f"--dalle_path brings its own VAE: drop --{', --'.join(given)}")
+    start, vae = start_of(vars(run_cfg))
+    theirs, defaults = DALLEConfig(**start["config"]), DALLEConfig()
+    fixed = [
+        f.name
+        for f in dataclasses.fields(DALLEConfig)
+        if "help" in f.metadata and f.name not in _TRAINING_ONLY
+        and getattr(model_cfg, f.name) not in (getattr(defaults, f.name), getattr(theirs, f.name))
+    ]  # fmt: skip
+    if fixed:
+        raise ValueError(f"--dalle_path fixes the model ({run_cfg.dalle_path}'s): drop --{', --'.join(fixed)}")
+    changed = {k: getattr(model_cfg, k) for k in _TRAINING_ONLY if getattr(model_cfg, k) != getattr(defaults, k)}
+    return start, dataclasses.replace(theirs, **changed), vae, start["vae"], tokenizer_fingerprint(start["vae"])
+
+
+def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
+    """train_clip.py's run: `run_cfg` its CLIPRunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+
+    fit = dalle_fit(run_cfg.dalle_path) if run_cfg.dalle_path else None
+    size = fit["image_size"] if fit else run_cfg.image_size
+    channels = fit["channels"] if fit else run_cfg.channels
+    configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
+    with training_session(cfg, "clip", configs, backend_options) as (backend, recovery, run):
+        pairs = rank_dataset(
+            cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
+            captions=True, image_size=size, channels=channels, resize_ratio=run_cfg.resize_ratio,
+        )  # fmt: skip
+        if fit:
+            tokenizer = tokenizer_from_dict(fit["tokenizer"])
+        else:
+            tokenizer = shared_text_tokenizer(vars(run_cfg), cfg, backend, run, pairs)
+        model_cfg = dataclasses.replace(
+            model_cfg,
+            num_text_tokens=tokenizer.vocab_size,
+            text_seq_len=fit["text_seq_len"] if fit else run_cfg.text_seq_len,
+            image_size=size,
+            channels=channels,
+        )
+        run.update_config("model", model_cfg)
+        clip = CLIP(model_cfg)
+        run.print(f"CLIP: {sum(p.numel() for p in clip.parameters()) / 1e6:.2f}M parameters")
+        task = CLIPTask(
+            clip,
+            tokenizer,
+            tokenized(pairs, tokenizer, model_cfg.text_seq_len),
+            run_cfg.clip_output or os.path.join(run.path, "clip.pt"),
+            gather=lambda x: (backend.all_gather(x), backend.rank * x.shape[0]),
+        )
+        pos = train(task, cfg, backend, recovery, run)
+        run.print(f"done at step {pos.step}: export {task.export_path}")
+        return task.export_path
