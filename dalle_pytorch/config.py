@@ -40,7 +40,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str) -> argparse._Arg
         if "help" not in f.metadata:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw = {"help": f"{f.metadata['help']} (default: {default})", "default": default}
+        kw = {"help": f.metadata["help"] + " (default: %(default)s)", "default": default}  # set_defaults shows too
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         if isinstance(default, bool):
