@@ -103,9 +103,20 @@ def _prime(cfg: GenerateConfig, vae, image_seq_len: int, device):
     return vae.get_codebook_indices(image)[:, :n]
 
 
+def write_folder(folder: str, images: torch.Tensor, settings: dict) -> None:
+    """0000.png ... (best first where ranked), grid.png and settings.json in `folder`."""
+    from torchvision.utils import save_image
+
+    images = images.cpu()  # every channel: an RGBA model's PNGs keep their alpha
+    for i, img in enumerate(images):
+        save_image(img, os.path.join(folder, f"{i:04d}.png"))
+    save_image(images, os.path.join(folder, "grid.png"), nrow=min(len(images), 8), padding=1)
+    with open(os.path.join(folder, "settings.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+
+
 def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig, old: PredecessorFiles) -> list[str]:
     """The prompt folders written, one per prompt."""
-    from torchvision.utils import save_image
     from tqdm import tqdm
 
     from ..models.sampling import generate_text_tokens
@@ -157,12 +168,7 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
             order, scores = best_of(clip, clip_tokenizer, prompt, images, rerank.keep, cfg.batch_size)
             images = images[order]
             written_settings["clip_scores"] = [round(v, 5) for v in scores.tolist()]
-        images = images.cpu()  # every channel: an RGBA model's PNGs keep their alpha
-        for i, img in enumerate(images):
-            save_image(img, os.path.join(folder, f"{i:04d}.png"))
-        save_image(images, os.path.join(folder, "grid.png"), nrow=min(len(images), 8), padding=1)
-        with open(os.path.join(folder, "settings.json"), "w") as f:
-            json.dump({"prompt": prompt, **written_settings}, f, indent=2)
+        write_folder(folder, images, {"prompt": prompt, **written_settings})
         written.append(folder)
     bar.close()
     for folder in written:
