@@ -84,7 +84,7 @@ class Backend:
     name = "base"
 
     def __init__(self, topo: Topology, opts: StepOptions = StepOptions()):
-        self.topo, self.opts = topo, opts
+        self.topo, self._opts = topo, opts
         self.device = torch.device("cpu")
         self._collectives: Collectives = Local()
         self._stepper: Stepper | None = None  # set by prepare()
@@ -123,7 +123,7 @@ class Backend:
         Returns (model, optimizer, scheduler) to use from then on."""
         raise NotImplementedError
 
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module without wrappers."""
         return getattr(model, "module", model)
 
@@ -131,13 +131,13 @@ class Backend:
     def full_params(self, model):
         """Collective context: the unwrapped module with every parameter whole (gathered where sharded),
         for sampling during training. Every rank enters it."""
-        yield self.unwrap(model)
+        yield self._unwrap(model)
 
     def autocast(self):
         """Mixed-precision context for the forward pass; the frozen VAE runs outside it, in fp32."""
-        if self.opts.precision == "fp32":
+        if self._opts.precision == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.opts.precision == "bf16" else torch.float16
+        dtype = torch.bfloat16 if self._opts.precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def accumulate(self, model, sync: bool):
@@ -179,7 +179,7 @@ class Backend:
         """Unsharded weights (CPU tensors) on rank 0, None elsewhere, for the export. Collective."""
         if not self.is_main:
             return None
-        return {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self._unwrap(model).state_dict().items()}
 
 
 class Recovery:

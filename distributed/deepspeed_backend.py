@@ -85,7 +85,7 @@ class DeepSpeedBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
-        check_precision(self.opts.precision, self.device.type == "cuda")  # before joining a process group
+        check_precision(self._opts.precision, self.device.type == "cuda")  # before joining a process group
         export_launcher_env(self.topo)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
@@ -107,15 +107,15 @@ class DeepSpeedBackend(Backend):
         o = self._options
         config, conflicts = build_config(
             micro_batch=workload.micro_batch,
-            accumulation_steps=self.opts.accumulation_steps,
+            accumulation_steps=self._opts.accumulation_steps,
             world_size=self.world_size,
-            clip_grad_norm=self.opts.clip_grad_norm,
-            precision=self.opts.precision,
+            clip_grad_norm=self._opts.clip_grad_norm,
+            precision=self._opts.precision,
             zero_stage=self._zero_stage,
             offload_optimizer=o.offload_optimizer,
             offload_params=o.offload_params,
-            initial_scale_power=self.opts.initial_scale_power,
-            loss_scale_window=self.opts.loss_scale_window,
+            initial_scale_power=self._opts.initial_scale_power,
+            loss_scale_window=self._opts.loss_scale_window,
             hysteresis=o.hysteresis,
             min_loss_scale=o.min_loss_scale,
             on_gpu=self.device.type == "cuda",
@@ -140,7 +140,7 @@ class DeepSpeedBackend(Backend):
             return int(self._options.zero_stage)
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
         free = free_device_bytes(self.topo.local_world_size)
-        stage, estimates = choose_zero_stage(n, activation_bytes, free, self.world_size, self.opts.precision)
+        stage, estimates = choose_zero_stage(n, activation_bytes, free, self.world_size, self._opts.precision)
         if self.is_main:
             table = ", ".join(f"ZeRO-{s} {b / 2**20:.1f} MiB" for s, b in estimates)
             print(f"--zero_stage auto: chose ZeRO-{stage} (per-device estimates: {table})", flush=True)
@@ -148,12 +148,12 @@ class DeepSpeedBackend(Backend):
 
     @contextlib.contextmanager
     def full_params(self, model):
-        module = self.unwrap(model)
+        module = self._unwrap(model)
         with GatheredParameters(list(module.parameters()), modifier_rank=None, enabled=self._zero_stage == 3):
             yield module
 
     def full_state_dict(self, model):
-        module = self.unwrap(model)
+        module = self._unwrap(model)
         with self.full_params(model):
             sd = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()} if self.is_main else None
         self.barrier()
@@ -179,7 +179,7 @@ class DeepSpeedCheckpointer:
         b, engine = self.backend, self.engine
         engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
         with_optimizer = has_state(engine.optimizer)
-        module = b.unwrap(engine)
+        module = b._unwrap(engine)
         shards = sharded_state_dict(module, engine.optimizer, self.group_names, with_optimizer, b.rank)
         # collective over the default process group: each rank writes the fragments it holds to its own file
         dcp.save(shards, checkpoint_id=os.path.join(directory, "dcp"))
@@ -214,7 +214,7 @@ class DeepSpeedCheckpointer:
         if not os.path.isdir(os.path.join(directory, "dcp")):
             raise ValueError(f"{directory} has no dcp/ folder: it holds no portable checkpoint")
         load_portable(
-            b.unwrap(engine),
+            b._unwrap(engine),
             engine.optimizer,
             self.group_names,
             os.path.join(directory, "dcp"),
@@ -222,7 +222,7 @@ class DeepSpeedCheckpointer:
             self.zero_stage,
         )
         engine.lr_scheduler.load_state_dict(shared["scheduler"])
-        if b.opts.precision == "fp16" and shared["scaler"]:
+        if b._opts.precision == "fp16" and shared["scaler"]:
             engine.optimizer.loss_scaler.cur_scale = float(shared["scaler"]["scale"])
         if b.is_main:
             print(f"{directory}: loaded the portable (resharded) checkpoint on ZeRO-{self.zero_stage}", flush=True)
@@ -230,13 +230,13 @@ class DeepSpeedCheckpointer:
     def _scaler_state(self) -> dict:
         """DeepSpeed's dynamic loss scale as torch's GradScaler.state_dict() writes it (empty unless fp16)."""
         b = self.backend
-        if b.opts.precision != "fp16":
+        if b._opts.precision != "fp16":
             return {}
         return {
             "scale": self.stepper.loss_scale(),
             "growth_factor": 2.0,
             "backoff_factor": 0.5,
-            "growth_interval": b.opts.loss_scale_window,
+            "growth_interval": b._opts.loss_scale_window,
             "_growth_tracker": 0,
         }
 

@@ -122,7 +122,7 @@ class HorovodBackend(Backend):
             return hvd.DistributedOptimizer(
                 make_optimizer(m),
                 named_parameters=m.named_parameters(),
-                backward_passes_per_step=self.opts.accumulation_steps,  # one allreduce per optimizer step
+                backward_passes_per_step=self._opts.accumulation_steps,  # one allreduce per optimizer step
                 compression=compression,
                 op=hvd.Average,
             )

@@ -34,7 +34,7 @@ class ElasticState(State):
         self.save()
 
     def _module(self):
-        return self.backend.unwrap(self.stepper.model)
+        return self.backend._unwrap(self.stepper.model)
 
     def save(self) -> None:
         s = self.stepper
@@ -63,7 +63,7 @@ class ElasticState(State):
         b._refresh_topology()
         for p in self._module().parameters():
             p.grad = None
-        self.stepper.optimizer.set_backward_passes_per_step(b.opts.accumulation_steps)
+        self.stepper.optimizer.set_backward_passes_per_step(b._opts.accumulation_steps)
         if b.is_main:
             print(f"elastic: continuing on {b.world_size} workers from step {self.pos.step}", flush=True)
 

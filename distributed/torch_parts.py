@@ -38,7 +38,7 @@ class TorchStepper:
         synchronize: Callable[[], None] = lambda: None,
         stepping: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        self.model, self.optimizer, self.scheduler, self.opts = model, optimizer, scheduler, opts
+        self.model, self.optimizer, self.scheduler, self._opts = model, optimizer, scheduler, opts
         self.synchronize, self.stepping = synchronize, stepping
         # fp16 needs loss scaling: gradients of small losses underflow in half precision. GradScaler raises
         # the scale every loss_scale_window steps without overflow; an overflow skips the step and halves it.
@@ -50,13 +50,13 @@ class TorchStepper:
         )
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss / self.opts.accumulation_steps).backward()
+        self.scaler.scale(loss / self._opts.accumulation_steps).backward()
 
     def step(self) -> StepResult:
         self.synchronize()
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.opts.clip_grad_norm if self.opts.clip_grad_norm > 0 else float("inf")
+        max_norm = self._opts.clip_grad_norm if self._opts.clip_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
         scale_before = self.loss_scale()
@@ -190,5 +190,5 @@ def torch_parts(
     `backend` to keep. `stepping`: TorchStepper's synchronize / stepping hooks."""
     optimizer = make_optimizer(model)
     scheduler = make_scheduler(optimizer)
-    stepper = TorchStepper(model, optimizer, scheduler, backend.opts, backend.device, **stepping)
+    stepper = TorchStepper(model, optimizer, scheduler, backend._opts, backend.device, **stepping)
     return stepper, TorchCheckpointer(model, optimizer, stepper, backend.rank, backend.barrier, init_optimizer_state)

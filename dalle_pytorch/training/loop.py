@@ -84,7 +84,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     task, cfg, backend, run, model, total = parts.task, parts.cfg, parts.backend, parts.run, parts.model, parts.total
     if backend.is_main:
         run.become_main()  # an elastic run may have made this worker rank 0
-    accum = backend.opts.accumulation_steps
+    accum = cfg.accumulation_steps(backend.world_size)  # what the backend divides each loss by
     global_batch = cfg.batch_size * backend.world_size * accum
     run.print(
         f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "

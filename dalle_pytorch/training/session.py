@@ -39,7 +39,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
     try:
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
         resolved.update({k: dataclasses.asdict(v) for k, v in backend_options.items()})
-        accum = backend.opts.accumulation_steps
+        accum = cfg.accumulation_steps(backend.world_size)
         resolved["derived"] = {
             "backend": backend.name,
             "launcher": topo.launcher,

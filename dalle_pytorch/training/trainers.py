@@ -34,7 +34,6 @@ from .vae_task import VAETask
 
 def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
     """train_vae.py's run: `run_cfg` its VAERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
-
     configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
     with training_session(cfg, "vae", configs, backend_options) as (backend, recovery, run):
         dataset = rank_dataset(
@@ -60,7 +59,6 @@ def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
 
 def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> str:
     """train_dalle.py's run: `run_cfg` its DALLERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
-
     flags = vars(run_cfg)
     start = None
     if run_cfg.dalle_path:
@@ -149,7 +147,6 @@ def _start_from(run_cfg, model_cfg: DALLEConfig):
 
 def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
     """train_clip.py's run: `run_cfg` its CLIPRunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
-
     fit = dalle_fit(run_cfg.dalle_path) if run_cfg.dalle_path else None
     size = fit["image_size"] if fit else run_cfg.image_size
     channels = fit["channels"] if fit else run_cfg.channels

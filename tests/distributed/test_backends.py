@@ -206,3 +206,30 @@ def test_elastic_horovod_refuses_what_depends_on_the_worker_count(monkeypatch):
     monkeypatch.delenv("HOROVOD_ELASTIC")
     assert not horovod_backend.HorovodBackend(Topology("horovod")).recovery().world_size_may_change
     assert not make_backend("single", Topology("none")).recovery().world_size_may_change
+
+
+def test_the_backend_interface_is_narrow():
+    """What the loop and the scripts may use of a backend; a new public name is a decision, made here."""
+    contract = {
+        *("setup", "teardown", "prepare", "recovery"),  # lifecycle; the backend makes its own recovery
+        *("accumulate", "autocast", "backward", "step"),  # one optimizer step, whatever the backend
+        *("all_reduce", "all_gather", "barrier"),  # collectives, on every rank
+        *("save_checkpoint", "load_checkpoint", "full_state_dict", "full_params"),  # state, sharded or whole
+        *("is_main", "rank", "world_size", "topo", "device", "name"),  # where this process stands
+    }
+    backend = make_backend("single", Topology("none"), StepOptions())
+    backend.setup()
+    try:
+        public = {n for n in dir(backend) if not n.startswith("_")}
+    finally:
+        backend.teardown()
+    assert public == contract, sorted(public ^ contract)
+    # the others need their launchers' process groups to set up: their classes add nothing public
+    from distributed.deepspeed_backend import DeepSpeedBackend
+    from distributed.horovod_backend import HorovodBackend
+    from distributed.torch_ddp import DDPBackend
+    from distributed.torch_fsdp import FSDPBackend
+
+    for cls in (DDPBackend, FSDPBackend, DeepSpeedBackend, HorovodBackend):
+        added = {n for n in dir(cls) if not n.startswith("_")} - contract
+        assert not added, f"{cls.__name__} adds {sorted(added)}"
