@@ -18,8 +18,9 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dalle_pytorch.compat.flags import PredecessorFiles
     from dalle_pytorch.config import add_flags
-    from dalle_pytorch.inference.generate import GenerateConfig, PredecessorFiles
+    from dalle_pytorch.inference.generate import GenerateConfig
     from dalle_pytorch.inference.pipeline import RerankConfig, SamplingConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,9 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    from dalle_pytorch.compat.flags import PredecessorFiles
     from dalle_pytorch.config import take
     from dalle_pytorch.errors import user_errors
-    from dalle_pytorch.inference.generate import GenerateConfig, PredecessorFiles, generate
+    from dalle_pytorch.inference.generate import GenerateConfig, generate
     from dalle_pytorch.inference.pipeline import RerankConfig, SamplingConfig
 
     ns = build_parser().parse_args(argv)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from distributed import read_weights
 
+from .compat.flags import PredecessorFiles
 from .compat.weights import is_predecessor, predecessor_export
 from .config import add_flags, flag, take
 from .data.build import build_text_tokenizer
@@ -80,8 +81,6 @@ class ConvertConfig:
 
 
 def main(argv=None):
-    from .inference.generate import PredecessorFiles
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, ConvertConfig, "what to convert")
     add_flags(p, PredecessorFiles, "--from_reference: " + PredecessorFiles.__doc__)
@@ -93,10 +92,7 @@ def main(argv=None):
         if bool(args.checkpoint) == bool(args.from_reference):
             raise ValueError("give a checkpoint directory or --from_reference OLD.pt (one of them)")
         if args.from_reference:
-            predecessor = dict(
-                bpe_path=old.bpe_path, hug=old.hug, chinese=old.chinese, vqgan_config_path=old.vqgan_config_path
-            )
-            out = convert_predecessor(args.from_reference, args.out, **predecessor)
+            out = convert_predecessor(args.from_reference, args.out, **old.how_to_read())
         else:
             out = convert(args.checkpoint, args.out)
         print(f"export: {out}")

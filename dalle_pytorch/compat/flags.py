@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
+
+from ..config import flag
 
 # name -> (takes a value, help), per script; the value's type is converted in apply()
 _TRAIN_DALLE = {
@@ -178,6 +181,26 @@ def _anneal(ns, rate: float, set_) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- generate.py
+
+
+@dataclass
+class PredecessorFiles:
+    """A dalle-pytorch 1.6 dalle.pt (our exports carry their tokenizers)."""
+
+    bpe_path: str = flag("", "the YouTokenToMe model it was trained with (JSON with --hug)")
+    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON")
+    chinese: bool = flag(False, "it was trained with the Chinese tokenizer")
+    taming: bool = flag(False, "it was trained on a VQGAN (give --vqgan_config_path)")
+    vqgan_config_path: str = flag("", "the config of the VQGAN it was trained on")
+
+    def how_to_read(self) -> dict:
+        """load_export's `predecessor`: what says how to read its dalle.pt (--taming only names the VQGAN)."""
+        return {
+            "bpe_path": self.bpe_path,
+            "hug": self.hug,
+            "chinese": self.chinese,
+            "vqgan_config_path": self.vqgan_config_path,
+        }
 
 
 def top_k_arg(value: str):

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
-from ..inference.fits import check_clip_fits
-from ..inference.load import load_clip, load_dalle
-from ..inference.pipeline import RerankConfig, SamplingConfig, best_of, candidate_images
+from ..inference.load import load_dalle
+from ..inference.pipeline import RerankConfig, SamplingConfig, best_of, candidate_images, load_reranker
 from .parse import parse_image, score
 from .summary import VALIDATION_SEED, summarize
 
@@ -52,8 +51,7 @@ def evaluate_dalle(
     dalle, vae, tokenizer = load_dalle(dalle_path)
     clip, keep = None, rerank.keep
     if rerank.clip_path:
-        clip, clip_tokenizer = load_clip(rerank.clip_path)
-        check_clip_fits(clip, clip_tokenizer, dalle_path, rerank.clip_path)
+        clip, clip_tokenizer = load_reranker(rerank.clip_path, dalle_path, dalle, vae, tokenizer)
         if not 1 <= keep <= candidates:
             raise ValueError(f"--keep must be between 1 and --candidates {candidates} (got {keep})")
     options = sampling.token_options(dalle)

@@ -22,9 +22,19 @@ def dalle_fit(path: str) -> dict:
     }
 
 
-def check_clip_fits(clip, clip_tokenizer, dalle_path: str, clip_path: str) -> None:
-    """A CLIP ranks a DALLE's images only if it reads the same captions and images: refuse it otherwise."""
-    fit = dalle_fit(dalle_path)
+def loaded_fit(dalle, vae, tokenizer) -> dict:
+    """dalle_fit of a DALLE already loaded (load.load_dalle), without reading its file again."""
+    return {
+        "tokenizer": tokenizer.to_dict(),
+        "text_seq_len": dalle.cfg.text_seq_len,
+        "image_size": vae.image_size,
+        "channels": vae.channels,
+    }
+
+
+def check_clip_fits(clip, clip_tokenizer, fit: dict, dalle_path: str, clip_path: str) -> None:
+    """A CLIP ranks a DALLE's images only if it reads the same captions and images (`fit`: dalle_fit or
+    loaded_fit of the DALLE at `dalle_path`): refuse it otherwise."""
     if clip_tokenizer.to_dict() != fit["tokenizer"]:
         raise ValueError(
             f"--clip_path {clip_path} was trained with another text tokenizer than {dalle_path}: train it with "

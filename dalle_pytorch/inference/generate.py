@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat.flags import PredecessorFiles
 from ..config import flag
-from .fits import check_clip_fits
-from .load import load_clip, load_dalle
-from .pipeline import RerankConfig, SamplingConfig, best_of, candidate_images
+from .load import load_dalle
+from .pipeline import RerankConfig, SamplingConfig, best_of, candidate_images, load_reranker
 
 
 @dataclass
@@ -52,17 +52,6 @@ class GenerateConfig:
             raise ValueError("--cuda_graphs replays the compiled decode step: add --compile")
         if self.num_images < 1 or self.batch_size < 1:
             raise ValueError("--num_images and --batch_size must be at least 1")
-
-
-@dataclass
-class PredecessorFiles:
-    """A dalle-pytorch 1.6 dalle.pt (our exports carry their tokenizers)."""
-
-    bpe_path: str = flag("", "the YouTokenToMe model it was trained with (JSON with --hug)")
-    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON")
-    chinese: bool = flag(False, "it was trained with the Chinese tokenizer")
-    taming: bool = flag(False, "it was trained on a VQGAN (give --vqgan_config_path)")
-    vqgan_config_path: str = flag("", "the config of the VQGAN it was trained on")
 
 
 def sanitize(prompt: str, max_len: int = 80) -> str:
@@ -127,14 +116,14 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
     if rerank.keep < 0 or rerank.keep > cfg.num_images:
         raise ValueError(f"--keep must be between 0 and --num_images {cfg.num_images} (got {rerank.keep})")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    predecessor = dict(bpe_path=old.bpe_path, hug=old.hug, chinese=old.chinese, vqgan_config_path=old.vqgan_config_path)
-    dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, predecessor)
+    dalle, vae, tokenizer = load_dalle(
+        cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, old.how_to_read()
+    )
     dcfg = dalle.cfg
     options = sampling.token_options(dalle)
     clip = None
     if rerank.clip_path:
-        clip, clip_tokenizer = load_clip(rerank.clip_path, device)
-        check_clip_fits(clip, clip_tokenizer, cfg.dalle_path, rerank.clip_path)
+        clip, clip_tokenizer = load_reranker(rerank.clip_path, cfg.dalle_path, dalle, vae, tokenizer, device)
     prime = _prime(cfg, vae, dcfg.image_seq_len, device)
     options.update(
         prime=prime,
@@ -163,12 +152,12 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
         os.makedirs(folder, exist_ok=True)
         rows = text.to(device).expand(cfg.num_images, -1)
         images = candidate_images(dalle, vae, rows, cfg.batch_size, g, on_token=bar.update, **options)
-        written_settings = dict(settings)
+        written_settings = {"prompt": prompt, **settings}
         if clip is not None:  # DALL-E's reranking: CLIP scores every sample, the best are kept, best first
             order, scores = best_of(clip, clip_tokenizer, prompt, images, rerank.keep, cfg.batch_size)
             images = images[order]
             written_settings["clip_scores"] = [round(v, 5) for v in scores.tolist()]
-        write_folder(folder, images, {"prompt": prompt, **written_settings})
+        write_folder(folder, images, written_settings)
         written.append(folder)
     bar.close()
     for folder in written:

@@ -1,8 +1,9 @@
 """Generate -> decode -> rerank -> keep: the one pipeline generate.py and the evaluation share.
 
 `SamplingConfig` and `RerankConfig` are their shared flag groups (written once: dalle_pytorch.config builds both
-parsers from them). `candidate_images` samples image tokens for caption rows and decodes them; `best_of` ranks
-one caption's candidates with CLIP (DALL-E's reranking) and says which to keep, best first.
+parsers from them). `candidate_images` samples image tokens for caption rows and decodes them; `load_reranker`
+reads a CLIP that fits the DALLE; `best_of` ranks one caption's candidates with it (DALL-E's reranking) and
+says which to keep, best first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from ..compat.flags import top_k_arg, top_k_count
 from ..config import flag
 from ..models.clip import rank_by_clip
 from ..models.sampling import generate_image_tokens
+from .fits import check_clip_fits, loaded_fit
+from .load import load_clip
 
 
 @dataclass
@@ -74,6 +77,13 @@ def candidate_images(
         )
         images.append(vae.decode(tokens))
     return torch.cat(images)
+
+
+def load_reranker(clip_path: str, dalle_path: str, dalle, vae, tokenizer, device="cpu"):
+    """(CLIP, its tokenizer) from `clip_path`, refused unless it reads the loaded DALLE's captions and images."""
+    clip, clip_tokenizer = load_clip(clip_path, device)
+    check_clip_fits(clip, clip_tokenizer, loaded_fit(dalle, vae, tokenizer), dalle_path, clip_path)
+    return clip, clip_tokenizer
 
 
 @torch.no_grad()
