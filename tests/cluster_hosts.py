@@ -126,8 +126,8 @@ class Cluster:
         os.makedirs(self.bin, exist_ok=True)
         with open(f"{self.bin}/ssh", "w") as f:  # what pdsh, horovodrun and mpirun call: the key, no host checks
             f.write(
-                f"#!/bin/sh\nexec /usr/bin/ssh -i {self.key} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
-                ' -o LogLevel=ERROR -o BatchMode=yes "$@"\n'
+                f"#!/bin/sh\nexec /usr/bin/ssh -i {self.key} -o StrictHostKeyChecking=no"
+                ' -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes "$@"\n'
             )
         os.chmod(f"{self.bin}/ssh", 0o755)
         for n in self.names:
@@ -139,7 +139,8 @@ class Cluster:
         os.makedirs(f"{d}/state", exist_ok=True)
         for n in self.names:
             os.makedirs(f"{d}/spool/{n}", exist_ok=True)
-        nodes = "".join(f"NodeName={n} NodeAddr={self.addr[n]} CPUs={os.cpu_count()} State=UNKNOWN\n" for n in self.names)
+        cpus = os.cpu_count()
+        nodes = "".join(f"NodeName={n} NodeAddr={self.addr[n]} CPUs={cpus} State=UNKNOWN\n" for n in self.names)
         with open(self.slurm_conf, "w") as f:
             f.write(
                 f"ClusterName=dalletest\nSlurmctldHost={os.uname().nodename}({BRIDGE_IP})\n"
@@ -192,7 +193,7 @@ class Cluster:
         """Stop what up() started (by pid, with the process groups they lead), then remove the network."""
         if os.environ.get("SLURM_CONF") == self.slurm_conf:
             del os.environ["SLURM_CONF"]
-        for name, pid in reversed(list(self.pids.items())):
+        for pid in reversed(list(self.pids.values())):
             try:
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
