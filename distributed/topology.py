@@ -3,8 +3,12 @@ horovodrun, mpirun, SLURM, or a hand-made torch.distributed environment), and th
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
-import re
+import shutil
+import socket
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -33,20 +37,72 @@ def _int(env, *names, default=0) -> int:
     return default
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist: 'gpu[01-04,07],cpu1' -> 'gpu01'."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
-        return "127.0.0.1"
-    prefix, _, ranges = m.groups()
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """Every host of a SLURM hostlist, in order: 'gpu[07-08,10],a1' -> ['gpu07', 'gpu08', 'gpu10', 'a1']."""
+    # scontrol is SLURM's own parser, so it reads the list as the SLURM that wrote it; it needs a SLURM config
+    # (a job has one) but no running slurmctld. SLURM 22.05 rejects a suffix after a range ('node[1-4]-ib'),
+    # printing "Invalid hostlist" on stderr with exit status 0, and fails without a config: python-hostlist
+    # (the same grammar, suffixes included) reads the list then. It answers at once, but retries for 60 s
+    # when SLURM_CONF names a missing file: hence the timeout.
+    if shutil.which("scontrol"):
+        try:
+            r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+            if r.returncode == 0 and r.stdout.split():
+                return r.stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        import hostlist
+    except ImportError:
+        raise ImportError(
+            f"reading the SLURM nodelist {nodelist!r} needs scontrol or python-hostlist: run `make install`"
+        ) from None
+    try:
+        return hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as e:
+        raise ValueError(f"{nodelist!r} is not a SLURM hostlist ({e}): set MASTER_ADDR to the first host") from None
+
+
+def _slurm_counts(spec: str) -> list[int]:
+    """SLURM's compressed per-node task counts, one per node: '2(x3),1' -> [2, 2, 2, 1]; '' -> []."""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * int(times.rstrip(")") or 1)
+    return counts
+
+
+def _slurm_local_world_size(env: dict) -> int:
+    """The number of tasks on this node (SLURM_NODEID) under srun."""
+    node = _int(env, "SLURM_NODEID")
+    # The step's counts are exact inside srun (a step may use part of the job's nodes or tasks); the job's
+    # come next. SLURM_NTASKS_PER_NODE is the --ntasks-per-node request: one number for every node.
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        counts = _slurm_counts(env.get(name, ""))
+        if len(counts) == 1 or node < len(counts):
+            return counts[min(node, len(counts) - 1)]
+    nodes = _int(env, "SLURM_NNODES")
+    return max(1, _int(env, "SLURM_NTASKS", default=1) // nodes) if nodes else 1
+
+
+@functools.cache  # a collective: each rank runs it once, however often the topology is read
+def _mpi_master_addr() -> str:
+    """Rank 0's host name, broadcast to every rank of an mpirun launch (every rank must call this)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ValueError(
+            "under mpirun across hosts, pass the first host's address: "
+            "`mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ...` (or install mpi4py)"
+        ) from None
+    return MPI.COMM_WORLD.bcast(socket.gethostname(), root=0)
 
 
 def topology_from_env(env: dict | None = None) -> Topology:
     """Read rank, world size, local rank, node and master address from the launcher's variables."""
     env = dict(os.environ if env is None else env)
     port = _int(env, "MASTER_PORT", default=29500)
-    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    addr = env.get("MASTER_ADDR") or "127.0.0.1"
     if "HOROVOD_RANK" in env:
         return Topology(
             "horovod",
@@ -80,26 +136,36 @@ def topology_from_env(env: dict | None = None) -> Topology:
             addr,
             port,
         )
-    if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
+    if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:  # Open MPI, or MPICH / Intel MPI (hydra)
+        rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+        world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=1)
+        if not env.get("MASTER_ADDR") and world > local_world:  # several hosts: 127.0.0.1 is not rank 0's
+            addr = _mpi_master_addr()
+        # OMPI_COMM_WORLD_NODE_RANK is not the node's index but this process's rank on its node across all jobs
+        # (docs.open-mpi.org, "Environment variables set for MPI applications"). mpirun's default --map-by slot
+        # fills each host before the next, so with equal hosts the node is rank // local world size.
         return Topology(
             "mpi",
-            _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
-            _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1),
+            rank,
+            world,
             _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
-            _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", default=1),
-            _int(env, "OMPI_COMM_WORLD_NODE_RANK"),
+            local_world,
+            rank // max(local_world, 1),
             addr,
             port,
         )
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:  # srun, one task per rank
+        # rank 0 runs on the step's first node, which need not be the job's first
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         return Topology(
             "slurm",
             _int(env, "SLURM_PROCID"),
             _int(env, "SLURM_NTASKS", default=1),
             _int(env, "SLURM_LOCALID"),
-            _int(env, "SLURM_NTASKS_PER_NODE", default=1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
+            _slurm_local_world_size(env),
             _int(env, "SLURM_NODEID"),
-            env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            env.get("MASTER_ADDR") or (slurm_hostnames(nodelist)[0] if nodelist else "127.0.0.1"),
             port,
         )
     if _int(env, "WORLD_SIZE", default=1) > 1:  # a hand-made torch.distributed environment
@@ -116,19 +182,43 @@ def topology_from_env(env: dict | None = None) -> Topology:
     return Topology("none")
 
 
+def _horovod_has_mpi() -> bool:
+    """Whether horovod is installed with MPI, so that processes mpirun started can join it."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return bool(hvd.mpi_built())
+
+
 def resolve_backend(requested: str, topo: Topology) -> str:
-    """The backend to use: the requested one, or for 'auto' the one that matches the launcher."""
+    """The backend to use: the requested one, or for 'auto' the one that matches the launcher and can start."""
     if requested not in BACKENDS:
         raise ValueError(f"--distributed_backend must be one of {', '.join(BACKENDS)} (got {requested!r})")
+    if requested == "single" and topo.world_size > 1:
+        raise ValueError(
+            f"--distributed_backend single under a {topo.launcher} launch of {topo.world_size} processes would "
+            "train N unsynchronized copies: use ddp, fsdp, deepspeed or horovod"
+        )
+    # A horovod without MPI cannot join processes that mpirun started. Without horovod at all, the backend's
+    # own import error says how to install it.
+    if (
+        requested == "horovod"
+        and topo.launcher == "mpi"
+        and importlib.util.find_spec("horovod")
+        and not _horovod_has_mpi()
+    ):
+        raise ValueError(
+            "Horovod here is built with Gloo only, which mpirun cannot start: launch with "
+            "`horovodrun --gloo -np N -H hostA:n,hostB:n python ...`, "
+            "or use --distributed_backend ddp (or deepspeed) under mpirun"
+        )
     if requested != "auto":
-        if requested == "single" and topo.world_size > 1:
-            raise ValueError(
-                f"--distributed_backend single under a {topo.launcher} launch of {topo.world_size} processes would "
-                "train N unsynchronized copies: use ddp, fsdp, deepspeed or horovod"
-            )
         return requested
-    return {"none": "single", "torchrun": "ddp", "slurm": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
-        topo.launcher, "horovod" if topo.launcher == "mpi" else "single"
+    if topo.launcher == "mpi":
+        return "horovod" if _horovod_has_mpi() else "ddp"
+    return {"torchrun": "ddp", "slurm": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
+        topo.launcher, "single"
     )
 
 

@@ -68,12 +68,13 @@ def build_text_tokenizer(
     dataset=None,
     resuming: bool = False,
     is_main: bool = True,
-    barrier: Callable[[], None] = lambda: None,
+    share: Callable[[str | None], str] = lambda text: text,
     log: Callable[[str], None] = print,
 ) -> Tokenizer:
     """The tokenizer the flags choose (`bpe_path`, `hug`, `tokenizer`, `bpe_vocab_size`, as train_dalle.py parses
     them or config.json records them). The default BPE lives in the run directory: with `dataset` it is trained
-    on its captions (a resumed run keeps the vocabulary it has); without, the run's is read. The predecessor's
+    on its captions on rank 0 (a resumed run keeps the vocabulary it has) and `share`d from there to every rank;
+    without, the run's is read. The predecessor's
     tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
     if flags["tokenizer"] in ("clip", "chinese"):
         return pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
@@ -86,11 +87,16 @@ def build_text_tokenizer(
         return ByteTokenizer()
     path = os.path.join(run_dir, "bpe.yttm")
     if dataset is not None:
-        # trained once, on rank 0; every rank then reads the same file
-        if is_main and not (resuming and os.path.exists(path)):
-            YttmTokenizer.train(_captions(dataset), flags["bpe_vocab_size"], path)
-            log(f"trained a {flags['bpe_vocab_size']}-token BPE on the captions: {path}")
-        barrier()
+        # trained once, on rank 0, which sends the model's text to every rank with `share` (through the
+        # process group): the other hosts need not see rank 0's disk
+        text = None
+        if is_main:
+            if not (resuming and os.path.exists(path)):
+                YttmTokenizer.train(_captions(dataset), flags["bpe_vocab_size"], path)
+                log(f"trained a {flags['bpe_vocab_size']}-token BPE on the captions: {path}")
+            with open(path) as f:
+                text = f.read()
+        return YttmTokenizer(share(text))
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing: the run's BPE is written there when training starts")
     return YttmTokenizer.from_file(path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import socket
 from contextlib import contextmanager
 
 import torch
@@ -37,6 +39,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         cfg.wandb_entity,
     )
     try:
+        check_shared_storage(backend, run.path)
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
         resolved.update({k: dataclasses.asdict(v) for k, v in backend_options.items()})
         accum = cfg.accumulation_steps(backend.world_size)
@@ -81,5 +84,46 @@ def rank_dataset(
 
 
 def shared_text_tokenizer(flags, cfg, backend, run, dataset):
-    """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and read by every rank."""
-    return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, backend.barrier, run.print)
+    """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and sent to every rank."""
+    share = lambda text: share_text(backend, text)  # noqa: E731
+    return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, share, run.print)
+
+
+def share_text(backend, text: str | None) -> str:
+    """Rank 0's `text` on every rank, through the process group: its length, then its bytes, each a sum to
+    which only rank 0 adds (every backend has all_reduce; nothing goes through the disk)."""
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if backend.is_main else None
+    size = torch.tensor([len(data) if backend.is_main else 0], dtype=torch.int64, device=backend.device)
+    buf = torch.zeros(int(backend.all_reduce(size, op="sum").item()), dtype=torch.int32, device=backend.device)
+    if backend.is_main:
+        buf.copy_(data)
+    return bytes(backend.all_reduce(buf, op="sum").to(torch.uint8).tolist()).decode()
+
+
+def check_shared_storage(backend, run_path: str) -> None:
+    """Every rank writes its part of each checkpoint into the run directory and reads the whole back on resume,
+    so every host must see what rank 0 writes there: checked at start, with one line naming who does not."""
+    if backend.world_size == 1:
+        return
+    marker = os.path.join(run_path, ".shared-storage-check")
+    token = secrets.token_hex(8) if backend.is_main else None
+    if backend.is_main:
+        with open(marker, "w") as f:
+            f.write(token)
+    token = share_text(backend, token)  # a collective: rank 0 wrote the file before any rank reads it
+    where = share_text(backend, socket.gethostname())
+    try:
+        with open(marker) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    blind = backend.all_gather(torch.tensor([0 if seen else 1], device=backend.device))
+    if backend.is_main:
+        os.remove(marker)
+    if blind.any():
+        ranks = ", ".join(str(r) for r in blind.nonzero().flatten().tolist())
+        raise FileNotFoundError(
+            f"rank {ranks} cannot see {run_path}, which rank 0 wrote on {where}: --output_dir must be on storage "
+            "every host sees (a shared filesystem: NFS, Lustre, ...), since every rank writes its part of each "
+            "checkpoint there and reads the whole back on resume"
+        )

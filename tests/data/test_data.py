@@ -131,9 +131,14 @@ def test_the_text_tokenizer_builder(tmp_path):
     from dalle_pytorch.data.shapes import ShapesDataset
 
     flags = {"bpe_path": "", "hug": False, "tokenizer": "yttm", "bpe_vocab_size": 64}
-    barriers = []
-    tok = build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), barrier=lambda: barriers.append(1))
-    assert barriers == [1] and tok.vocab_size == 64
+    shared = []
+    tok = build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), share=lambda t: shared.append(t) or t)
+    assert shared == [(tmp_path / "bpe.yttm").read_text()] and tok.vocab_size == 64
+    # another rank gets the text from rank 0 (through the process group), not from a file it may not see
+    other = build_text_tokenizer(flags, str(tmp_path / "elsewhere"), ShapesDataset(50, 16), is_main=False,
+                                 share=lambda t: shared[0])  # fmt: skip
+    assert other.encode("a red circle") == tok.encode("a red circle")
+    assert not (tmp_path / "elsewhere").exists()
     path = tmp_path / "bpe.yttm"
     stamp = path.stat().st_mtime_ns
     build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), resuming=True)

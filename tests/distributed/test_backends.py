@@ -93,14 +93,19 @@ def test_accumulation_steps():
             1,
         ),
         (
-            {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
             "mpi",
             1,
             2,
             1,
             0,
         ),
-        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpi", 1, 2, 0, 0),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "mpi", 1, 2, 1, 0),
         (
             {
                 "SLURM_PROCID": "6",

@@ -1,0 +1,85 @@
+"""The sbatch files of examples/slurm/, as users submit them, on a real SLURM of 2 hosts: each trains on 2 ranks
+(one per host), exports and writes its metrics; a job requeued while it runs resumes from its checkpoint."""
+
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+from helpers import ROOT
+from launch import dalle_args
+
+EXAMPLES = os.path.join(ROOT, "examples", "slurm")
+
+
+def sbatch(cluster, example, args, cwd, *more):
+    """Submit examples/slurm/<example> with the script and flags as its arguments; returns the job id."""
+    env = cluster.env(OMP_NUM_THREADS="1")
+    cmd = ["sbatch", "--parsable", "-N", "2", "--chdir", str(cwd), *more, os.path.join(EXAMPLES, example), *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def job(cluster, job_id) -> dict:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=cluster.env(), capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def wait(cluster, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job(cluster, job_id)
+        if info.get("JobState") in states:
+            return info
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=cluster.env())
+    raise AssertionError(f"job {job_id} still {job(cluster, job_id).get('JobState')} after {timeout}s")
+
+
+def output(cwd, job_id):
+    [path] = [os.path.join(cwd, f) for f in os.listdir(cwd) if f.endswith(f"-{job_id}.out")]
+    return open(path).read()
+
+
+@pytest.mark.parametrize("example", ["torchrun.sbatch", "srun.sbatch", "deepspeed.sbatch", "horovod.sbatch"])
+def test_sbatch_example_trains_on_two_hosts(cluster, vae_path, tmp_path, example):
+    args = dalle_args(vae_path, str(tmp_path / "runs"), 4)
+    job_id = sbatch(cluster, example, ["train_dalle.py", *args], tmp_path)
+    info = wait(cluster, job_id)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED", f"{info.get('JobState')} {info.get('ExitCode')}\n{log[-5000:]}"
+    run = tmp_path / "runs" / "dalle"
+    derived = json.load(open(run / "config.json"))["derived"]
+    assert derived["world_size"] == 2, derived
+    assert info["NodeList"] == "host[a-b]" or info["NodeList"] == "hosta,hostb", info["NodeList"]
+    assert (run / "dalle.pt").exists()
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_requeued_job_resumes_from_its_checkpoint(cluster, vae_path, tmp_path):
+    """`scontrol requeue` of a running job: SLURM stops it and starts it again, and the sbatch file's
+    --resume auto continues from the last checkpoint instead of step 0."""
+    args = dalle_args(vae_path, str(tmp_path / "runs"), 4, steps=60, extra=["--save_every_n_steps", "5"])
+    job_id = sbatch(cluster, "torchrun.sbatch", ["train_dalle.py", *args], tmp_path)
+    checkpoints = tmp_path / "runs" / "dalle" / "checkpoints"
+    deadline = time.time() + 180
+    while not (checkpoints.exists() and any(p.name >= "step-00000010" for p in checkpoints.iterdir())):
+        assert time.time() < deadline, output(tmp_path, job_id)[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job_id], env=cluster.env(), check=True)
+    # SLURM holds a requeued batch job back (its BeginTime moves about 2 minutes on): let it start when it can
+    wait(cluster, job_id, states=("PENDING",), timeout=120)
+    held = job(cluster, job_id).get("EligibleTime")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
+    info = wait(cluster, job_id, timeout=400)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED", log[-5000:]
+    assert info["Restarts"] == "1", (info, held)
+    assert "(restart 1)" in log
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 10, log[-3000:]
+    metrics = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "dalle" / "metrics.jsonl")]
+    assert metrics[-1] == 60
