@@ -103,3 +103,24 @@ def test_horovod_under_mpirun_is_refused_in_one_line(cluster, vae_path, tmp_path
     out = cluster.run("hosta", [*MPIRUN, PY, TRAIN, *args], env=env(cluster), timeout=120, cwd=ROOT)
     assert out.returncode != 0
     assert "horovodrun --gloo" in out.stdout + out.stderr
+
+
+def test_a_host_that_cannot_see_the_run_directory_stops_in_one_line(cluster, vae_path, tmp_path):
+    """hostb gets its own private --output_dir (a tmpfs over it in a mount namespace of its own), as a node-local
+    /tmp would be: both ranks stop at start, saying that --output_dir must be on storage every host sees."""
+    port = next(PORTS)
+    args = dalle_args(vae_path, str(tmp_path), 4)
+    rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"hosta:{port}", "--rdzv_id", "private-storage"]
+    torchrun = [f"{BIN}/torchrun", "--nnodes", "2", "--nproc_per_node", "1", *rdzv, TRAIN, *args]
+    private = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs private "$0" && exec "$@"', str(tmp_path)]
+    procs = [
+        cluster.popen(
+            h, [*(private if h == "hostb" else []), *torchrun], env=env(cluster), stdout=-1, stderr=-2, text=True
+        )
+        for h in cluster.names
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs), outs
+    for out in outs:
+        assert "error: rank 1 cannot see" in out and "must be on storage every host sees" in out, out[-3000:]
+    assert not (tmp_path / "dalle" / "checkpoints").exists() or not any((tmp_path / "dalle" / "checkpoints").iterdir())
