@@ -11,6 +11,7 @@ prepare() wraps the model and assembles them. The torch backends share TorchStep
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -47,6 +48,7 @@ class StepResult(NamedTuple):
 
 class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor: ...
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]: ...
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def barrier(self) -> None: ...
 
@@ -68,6 +70,10 @@ class Local:
         if op not in ("mean", "sum"):
             raise ValueError(f"unknown reduce op {op!r}")
         return tensor
+
+    def all_reduce_async(self, tensor, op="sum"):
+        self.all_reduce(tensor, op)
+        return lambda: tensor
 
     def all_gather(self, tensor):
         return tensor
@@ -156,6 +162,12 @@ class Backend:
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across ranks (in place where possible) and return the result; op is 'mean' or 'sum'."""
         return self._collectives.all_reduce(tensor, op)
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]:
+        """Start reducing a small CPU tensor across ranks; returns a function that waits for the result and
+        returns it. For control flags read a step later (the stop vote), so that no step waits on them: on
+        GPUs they go through a Gloo group of their own, never queued behind the CUDA stream."""
+        return self._collectives.all_reduce_async(tensor, op)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (the same shape on each), concatenated along dim 0 in rank order, with

@@ -89,7 +89,7 @@ class DeepSpeedBackend(Backend):
         export_launcher_env(self.topo)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
-        self._collectives = ProcessGroup(self.world_size)
+        self._collectives = ProcessGroup(self.world_size, self.device)
         self._unlink_shm_buffer()
 
     def _unlink_shm_buffer(self) -> None:

@@ -31,6 +31,12 @@ class HorovodCollectives:
         tensor.copy_(hvd.allreduce(tensor, op=hvd.Average if op == "mean" else hvd.Sum))
         return tensor
 
+    def all_reduce_async(self, tensor, op="sum"):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        handle = hvd.allreduce_async(tensor, op=hvd.Average if op == "mean" else hvd.Sum)
+        return lambda: hvd.synchronize(handle)
+
     def all_gather(self, tensor):
         return _AllGather.apply(tensor)
 

@@ -132,8 +132,11 @@ class TorchCheckpointer:
 class ProcessGroup:
     """Collectives over torch.distributed (NCCL on GPUs, Gloo on CPUs)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device: torch.device = torch.device("cpu")):
         self.world_size = world_size
+        # control flags travel as CPU tensors: on GPUs through a Gloo group of their own (made here, on every
+        # rank at once, as new_group requires), so that waiting for one never waits for the CUDA stream
+        self._cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
 
     def all_reduce(self, tensor, op="mean"):
         if op not in ("mean", "sum"):
@@ -142,6 +145,17 @@ class ProcessGroup:
         if op == "mean":
             tensor /= self.world_size
         return tensor
+
+    def all_reduce_async(self, tensor, op="sum"):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"unknown reduce op {op!r}")
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._cpu_group, async_op=True)
+
+        def result():
+            work.wait()
+            return tensor / self.world_size if op == "mean" else tensor
+
+        return result
 
     def all_gather(self, tensor):
         import torch.distributed.nn.functional as dist_nn  # the differentiable collectives
@@ -175,7 +189,7 @@ def init_process_group(topo, device: torch.device) -> ProcessGroup:
             world_size=topo.world_size,
             timeout=datetime.timedelta(minutes=30),
         )
-    return ProcessGroup(topo.world_size)
+    return ProcessGroup(topo.world_size, device)
 
 
 def destroy_process_group() -> None:

@@ -21,7 +21,7 @@ from .checkpoints import resolve_resume, save_checkpoint
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
 from .schedules import lr_factor
-from .signals import StopFlag
+from .signals import StopFlag, StopVote
 from .task import Task
 
 
@@ -56,7 +56,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
         Workload(micro_batch=cfg.batch_size, activation_bytes=task.activation_bytes(cfg.batch_size)),
     )
     pos = resume(cfg.resume, backend, run)
-    with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step, save, exit
+    with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step (or the next), save, exit
         parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
@@ -91,7 +91,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
     )
     data = batches(task.dataset, cfg, backend, pos)
-    window = MetricWindow(backend, task, run, cfg, total, parts.stop)
+    window = MetricWindow(backend, task, run, cfg, total)
+    vote = StopVote(parts.stop, backend)
     bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
     model.train()
     if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
@@ -108,9 +109,9 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         pos.step += 1
         if bar is not None:
             bar.update(1)
-        stopping = False
-        if pos.step % cfg.log_every == 0 or pos.step == total:
-            row, stopping = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
+        stopping = vote()  # SIGTERM on any rank, agreed on by all: save and exit, whatever --log_every is
+        if pos.step % cfg.log_every == 0 or pos.step == total or stopping:
+            row = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
             if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
                 raise FloatingPointError(
                     f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
@@ -124,6 +125,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
             break
         parts.recovery.commit(pos)
+    vote.close()
     if bar is not None:
         bar.close()
     return pos

@@ -1,5 +1,5 @@
 """The loop's metrics between two log steps, reduced over the ranks in one collective with each rank's
-peak memory and its stop flag, then written to the run (metrics.jsonl, TensorBoard, wandb, the console)."""
+peak memory, then written to the run (metrics.jsonl, TensorBoard, wandb, the console)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MetricWindow:
-    def __init__(self, backend, task, run, cfg, total: int, stop):
+    def __init__(self, backend, task, run, cfg, total: int):
         self.backend, self.task, self.run, self.cfg = backend, task, run, cfg
-        self.total, self.stop = total, stop
+        self.total = total
         self._reset()
 
     def _reset(self) -> None:
@@ -32,17 +32,17 @@ class MetricWindow:
             self.sums[k] = self.sums.get(k, 0) + v.float()
         self.count += 1
 
-    def flush(self, pos, result, lr: float, bar) -> tuple[dict, bool]:
-        """Log the window; returns (the row, whether any rank was asked to stop). Every rank calls it."""
+    def flush(self, pos, result, lr: float, bar) -> dict:
+        """Log the window; returns the row. Every rank calls it."""
         b = self.backend
         names = sorted(self.sums)
-        # one collective for the step: metric means, every rank's peak memory in its own slot, the stop flag
+        # one collective for the step: metric means, every rank's peak memory in its own slot
         memory = torch.zeros(b.world_size)
         memory[b.rank] = peak_memory_mb(b.device)
         means = torch.stack([self.sums[k] / self.count for k in names]) / b.world_size
-        local = torch.cat([means, memory.to(b.device), torch.tensor([float(self.stop.set)], device=b.device)])
+        local = torch.cat([means, memory.to(b.device)])
         reduced = b.all_reduce(local, op="sum").tolist()  # the host sync of the step, only when logging
-        means, memory, stop = reduced[: len(names)], reduced[len(names) : -1], reduced[-1]
+        means, memory = reduced[: len(names)], reduced[len(names) :]
         elapsed = time.perf_counter() - self.t0
         images_per_s = self.count * self.cfg.batch_size * b.world_size / elapsed
         row = dict(zip(names, means))
@@ -64,7 +64,7 @@ class MetricWindow:
         elif not self.cfg.quiet:
             self.run.print(f"step {pos.step}/{self.total} " + " ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
         self._reset()
-        return row, stop > 0
+        return row
 
 
 def _fmt(v) -> str:

@@ -116,8 +116,8 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
 
 
 def test_sigterm_saves_and_resumes(tmp_path):
-    """SIGTERM at step 5: a checkpoint at the next logging step (the flag travels in its reduction), a clean
-    stop, and the resumed run equals the uninterrupted one."""
+    """SIGTERM during step 6 (log steps far away): a checkpoint right after that step, a clean stop, and the
+    resumed run equals the uninterrupted one."""
     sent = []
 
     def sigterm_at_5(step):
@@ -125,7 +125,7 @@ def test_sigterm_saves_and_resumes(tmp_path):
             sent.append(step)
             os.kill(os.getpid(), signal.SIGTERM)
 
-    pos, _ = fit(config(tmp_path / "b", log_every=2), FakeTask(str(tmp_path / "b.pt"), on_loss=sigterm_at_5))
+    pos, _ = fit(config(tmp_path / "b", log_every=1000), FakeTask(str(tmp_path / "b.pt"), on_loss=sigterm_at_5))
     assert sent and pos.step == 6
     assert os.path.basename(step_dirs(str(tmp_path / "b" / "run" / "checkpoints"))[0]) == f"step-{pos.step:08d}"
     _, uninterrupted = fit(config(tmp_path / "a"), FakeTask(str(tmp_path / "a.pt")))
@@ -148,3 +148,33 @@ def test_two_ranks_equal_one_process(tmp_path, backend):
     assert exported.keys() == single.keys()
     for k in single:  # the same sums in another order: fp32 rounding only
         torch.testing.assert_close(exported[k], single[k], rtol=0, atol=1e-6)
+
+
+def _sigterm_rank_1_during_step_4(rank, out, resume):
+    def on_loss(step):
+        if rank == 1 and step == 3 and not resume:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = config(out, distributed_backend="ddp", log_every=1000, resume=resume)
+    pos, weights = fit(cfg, FakeTask(os.path.join(out, "fake.pt"), on_loss=on_loss))
+    return pos.step, weights
+
+
+def _fit_ddp(rank, out):
+    return fit(config(out, distributed_backend="ddp"), FakeTask(os.path.join(out, "fake.pt")))[1]
+
+
+def test_sigterm_on_one_rank_stops_every_rank_within_one_step(tmp_path):
+    """Rank 1 alone is signalled during step 4, with --log_every far away: the ranks' vote, started each step
+    and read the next, stops both after step 5 (one step later, at the same step on both), with a checkpoint;
+    resumed, the run equals the uninterrupted one."""
+    out = str(tmp_path / "b")
+    os.makedirs(out)
+    stopped = on_ranks(2, _sigterm_rank_1_during_step_4, out, "")
+    assert [step for step, _ in stopped] == [5, 5]
+    assert [os.path.basename(d) for d in step_dirs(os.path.join(out, "run", "checkpoints"))][0] == "step-00000005"
+    resumed = on_ranks(2, _sigterm_rank_1_during_step_4, out, "auto")
+    assert [step for step, _ in resumed] == [8, 8]
+    os.makedirs(tmp_path / "a")
+    uninterrupted = on_ranks(2, _fit_ddp, str(tmp_path / "a"))[0]
+    assert all(torch.equal(resumed[0][1][k], uninterrupted[k]) for k in uninterrupted)
