@@ -55,6 +55,12 @@ class TrainConfig:
     initial_scale_power: int = flag(16, "fp16 dynamic loss scale starts at 2**N")
     loss_scale_window: int = flag(1000, "fp16: steps without overflow before the loss scale grows")
     # outputs
+    dist_timeout: float = flag(
+        300.0,
+        "seconds a collective waits for every rank (and the ranks for each other at start) before the job stops "
+        "with a line naming the ranks that did not answer; raise it when rank 0 alone works longer (a BPE on "
+        "millions of captions)",
+    )
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")
     log_every: int = flag(10, "log metrics every N optimizer steps")
@@ -78,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"--learning_rate must be positive (got {self.learning_rate})")
         if self.clip_grad_norm < 0:
             raise ValueError(f"--clip_grad_norm must be >= 0 (got {self.clip_grad_norm})")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"--dist_timeout must be a positive number of seconds (got {self.dist_timeout:g})")
 
     def check_elastic(self) -> None:
         """What must not depend on the number of workers, since workers come and go and joiners compute it anew."""
@@ -98,6 +106,7 @@ class TrainConfig:
             clip_grad_norm=self.clip_grad_norm,
             initial_scale_power=self.initial_scale_power,
             loss_scale_window=self.loss_scale_window,
+            dist_timeout=self.dist_timeout,
         )
 
     def accumulation_steps(self, world_size: int) -> int:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
-USER_ERRORS = (ValueError, FileNotFoundError, ImportError, FloatingPointError, NotADirectoryError, PermissionError)
+USER_ERRORS = (
+    ValueError, FileNotFoundError, ImportError, FloatingPointError, NotADirectoryError, PermissionError, TimeoutError,
+)  # fmt: skip
 
 
 @contextmanager

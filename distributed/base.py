@@ -29,6 +29,7 @@ class StepOptions:
     clip_grad_norm: float = 0.0  # 0: no clipping
     initial_scale_power: int = 16  # fp16: the loss scale starts at 2**N
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    dist_timeout: float = 300.0  # seconds a collective waits for every rank before the job stops
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Collectives(Protocol):
     def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum") -> Callable[[], torch.Tensor]: ...
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def barrier(self) -> None: ...
+    def explain(self, error: BaseException) -> str | None: ...
 
 
 class Stepper(Protocol):
@@ -80,6 +82,9 @@ class Local:
 
     def barrier(self) -> None:
         pass
+
+    def explain(self, error):
+        return None
 
 
 class Backend:
@@ -177,6 +182,11 @@ class Backend:
 
     def barrier(self) -> None:
         self._collectives.barrier()
+
+    def explain(self, error: BaseException) -> str | None:
+        """One line saying which ranks stopped answering when `error` is a collective that timed out after
+        --dist_timeout (or lost a peer); None for any other error. Called on the ranks still running."""
+        return self._collectives.explain(error)
 
     # ---------------------------------------------------------------- checkpoints (collective)
     def save_checkpoint(self, directory: str, state: dict) -> None:

@@ -7,7 +7,14 @@ The engine owns accumulation, loss scaling, clipping and the step; the config co
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import sys
+
+# DeepSpeed JIT-builds its ops into torch's extensions folder, which every Python environment of the user shares
+# (~/.cache/torch_extensions): two checkouts, each with its .venv, then rebuild each other's op at every switch
+# (2 minutes each). Each environment keeps its own, where scripts/warm_ops.py builds it at install time.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import deepspeed
 import torch
@@ -88,8 +95,12 @@ class DeepSpeedBackend(Backend):
         check_precision(self._opts.precision, self.device.type == "cuda")  # before joining a process group
         export_launcher_env(self.topo)
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
-        self._collectives = ProcessGroup(self.world_size, self.device)
+            deepspeed.init_distributed(
+                dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                verbose=False,
+                timeout=datetime.timedelta(seconds=self._opts.dist_timeout),
+            )
+        self._collectives = ProcessGroup(self.world_size, self.device, self._opts.dist_timeout)
         self._unlink_shm_buffer()
 
     def _unlink_shm_buffer(self) -> None:

@@ -40,6 +40,15 @@ class HorovodCollectives:
     def all_gather(self, tensor):
         return _AllGather.apply(tensor)
 
+    def explain(self, error):
+        if type(error).__name__ != "HorovodInternalError":
+            return None
+        return (
+            f"a Horovod collective failed ({error}): a rank stopped answering within --dist_timeout "
+            f"{self.backend._opts.dist_timeout:g} s or died (Horovod's stall report above names the ranks it waited "
+            "for); the other ranks stop. Resume with --resume auto"
+        )
+
     def barrier(self) -> None:
         if self.backend._joining:  # the running workers wait in the state sync, not here (see _ring_started)
             return
@@ -73,6 +82,11 @@ class HorovodBackend(Backend):
         self._stepper: TorchStepper | None = None  # set by prepare(); the elastic state commits its parts
 
     def setup(self) -> None:
+        # --dist_timeout: Horovod's stall inspector names the ranks a collective waits for, then shuts down
+        timeout = max(1, round(self._opts.dist_timeout))
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, timeout // 2))))
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(timeout))
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(timeout))
         if not hvd.is_initialized():
             hvd.init()
         if self._elastic:  # ranks come from Horovod's rendezvous and change as workers come and go

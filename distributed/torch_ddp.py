@@ -13,7 +13,7 @@ class DDPBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
-        self._collectives = init_process_group(self.topo, self.device)
+        self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
 
     def teardown(self) -> None:
         destroy_process_group()

@@ -35,7 +35,7 @@ class FSDPBackend(Backend):
 
     def setup(self) -> None:
         super().setup()
-        self._collectives = init_process_group(self.topo, self.device)
+        self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
 
     def teardown(self) -> None:
         destroy_process_group()

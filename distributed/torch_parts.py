@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .base import StepOptions, StepResult
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
+from .watchdog import Heartbeat
 
 
 class TorchStepper:
@@ -132,8 +133,9 @@ class TorchCheckpointer:
 class ProcessGroup:
     """Collectives over torch.distributed (NCCL on GPUs, Gloo on CPUs)."""
 
-    def __init__(self, world_size: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, world_size: int, device: torch.device = torch.device("cpu"), timeout_s: float = 300.0):
         self.world_size = world_size
+        self._heartbeat = Heartbeat(dist.get_rank(), world_size, timeout_s) if world_size > 1 else None
         # control flags travel as CPU tensors: on GPUs through a Gloo group of their own (made here, on every
         # rank at once, as new_group requires), so that waiting for one never waits for the CUDA stream
         self._cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -165,6 +167,9 @@ class ProcessGroup:
     def barrier(self) -> None:
         dist.barrier()
 
+    def explain(self, error):
+        return self._heartbeat.explain(error) if self._heartbeat else None
+
 
 def export_launcher_env(topo) -> None:
     """env:// lets torchrun hand over its own store (and a fresh one after a restart); SLURM and mpirun only
@@ -179,7 +184,7 @@ def export_launcher_env(topo) -> None:
         os.environ.setdefault(key, str(value))
 
 
-def init_process_group(topo, device: torch.device) -> ProcessGroup:
+def init_process_group(topo, device: torch.device, timeout_s: float) -> ProcessGroup:
     if not dist.is_initialized():
         export_launcher_env(topo)
         dist.init_process_group(
@@ -187,9 +192,9 @@ def init_process_group(topo, device: torch.device) -> ProcessGroup:
             init_method="env://",
             rank=topo.rank,
             world_size=topo.world_size,
-            timeout=datetime.timedelta(minutes=30),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
-    return ProcessGroup(topo.world_size, device)
+    return ProcessGroup(topo.world_size, device, timeout_s)
 
 
 def destroy_process_group() -> None:

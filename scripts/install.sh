@@ -140,8 +140,8 @@ if ! have horovod==$HOROVOD_VERSION; then
 fi
 
 CURRENT_STEP="build DeepSpeed's CPU ops (a minute or two the first time)"
-HINT="delete ~/.cache/torch_extensions and rerun make install"
-if [ ! -f "$VENV/.ops-warm" ]; then
+HINT="delete $VENV/torch_extensions and rerun make install"
+if [ ! -f "$VENV/.ops-warm" ] || [ ! -d "$VENV/torch_extensions" ]; then
   step "$CURRENT_STEP"
   "$VPY" scripts/warm_ops.py
   touch "$VENV/.ops-warm"

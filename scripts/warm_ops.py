@@ -23,6 +23,8 @@ def remove_stale_locks(root: str) -> list[str]:
 
 
 def main() -> int:
+    # the environment's own folder, as distributed/deepspeed_backend.py sets it (two .venvs would fight otherwise)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     from torch.utils.cpp_extension import (
         _get_build_directory,  # noqa: F401  (ensures torch is importable)
         get_default_build_root,

@@ -51,7 +51,14 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
             "global_batch_size": cfg.batch_size * backend.world_size * accum,
         }
         run.write_config(resolved)
-        yield backend, recovery, run
+        try:
+            yield backend, recovery, run
+        except Exception as e:  # a collective that timed out: name the ranks that stopped answering
+            why = backend.explain(e)
+            if why is None:
+                raise
+            run.print(f"error: {why}")
+            raise TimeoutError(why) from e
         # on success, no rank leaves the group while a peer may still be in a collective: a peer whose
         # connection closes mid-collective aborts (seen as a rare exit -6 under deepspeed ZeRO-3)
         backend.barrier()

@@ -219,6 +219,7 @@ def test_the_backend_interface_is_narrow():
         *("setup", "teardown", "prepare", "recovery"),  # lifecycle; the backend makes its own recovery
         *("accumulate", "autocast", "backward", "step"),  # one optimizer step, whatever the backend
         *("all_reduce", "all_reduce_async", "all_gather", "barrier"),  # collectives, on every rank
+        "explain",  # which ranks stopped answering, when a collective timed out
         *("save_checkpoint", "load_checkpoint", "full_state_dict", "full_params"),  # state, sharded or whole
         *("is_main", "rank", "world_size", "topo", "device", "name"),  # where this process stands
     }
