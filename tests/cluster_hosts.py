@@ -22,8 +22,12 @@ import subprocess
 import sys
 import time
 
-SUBNET = "198.18.0"
-BRIDGE, BRIDGE_IP = "dallebr0", f"{SUBNET}.1"
+# DALLE_CLUSTER_INSTANCE=N (0-9) builds a cluster of its own beside another one (a developer's beside CI's):
+# its own bridge, namespaces, subnet 198.18.N.0/24, ports and munge socket
+INSTANCE = int(os.environ.get("DALLE_CLUSTER_INSTANCE", "0"))
+SUBNET = f"198.18.{INSTANCE}"
+BRIDGE, BRIDGE_IP = f"dallebr{INSTANCE}", f"{SUBNET}.1"
+MUNGE = f"/run/dalle-munge-{INSTANCE}"  # a folder the munge user can reach (pytest's are root's alone)
 NEEDS = ("ip", "unshare", "sshd", "ssh", "ssh-keygen", "munged", "slurmctld", "slurmd", "srun", "sbatch", "mpirun")
 
 
@@ -46,7 +50,7 @@ class Cluster:
         self.root = os.path.abspath(root)
         self.names = list(names)
         self.addr = {n: f"{SUBNET}.{11 + i}" for i, n in enumerate(self.names)}
-        self.netns = {n: f"dalle-{n}" for n in self.names}
+        self.netns = {n: f"dalle{INSTANCE}-{n}" for n in self.names}
         self.pids: dict[str, int] = {}
         self.bin = os.path.join(self.root, "bin")  # the ssh that knows the test key, first on PATH
         self.slurm_conf = os.path.join(self.root, "slurm", "slurm.conf")
@@ -90,7 +94,7 @@ class Cluster:
         _sh("ip", "link", "set", BRIDGE, "up")
         hosts = "127.0.0.1 localhost\n" + "".join(f"{self.addr[n]} {n}\n" for n in self.names)
         for i, n in enumerate(self.names):
-            ns, veth = self.netns[n], f"dalleveth{i}"
+            ns, veth = self.netns[n], f"dalle{INSTANCE}v{i}"
             _sh("ip", "netns", "add", ns)
             _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _sh("ip", "link", "set", veth, "master", BRIDGE, "up")
@@ -147,7 +151,8 @@ class Cluster:
                 "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
                 f"StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool/%n\nSlurmdPidFile={d}/slurmd-%n.pid\n"
                 f"SlurmctldPidFile={d}/slurmctld.pid\nSlurmctldLogFile={d}/slurmctld.log\nSlurmdLogFile={d}/slurmd-%n.log\n"
-                "SlurmctldPort=16817\nSlurmdPort=16818\n"
+                f"SlurmctldPort={16817 + 10 * INSTANCE}\nSlurmdPort={16818 + 10 * INSTANCE}\n"
+                f"AuthInfo=socket={MUNGE}/munge.socket\n"
                 # the facts found on this machine: linuxproc and no task plugin, as cgroups cannot be used here
                 "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\n"
                 "SelectTypeParameters=CR_Core\nSchedulerType=sched/backfill\nReturnToService=2\nMpiDefault=none\n"
@@ -157,10 +162,12 @@ class Cluster:
             )
         with open(f"{d}/cgroup.conf", "w") as f:  # slurmd reads it even with no cgroup plugin in use
             f.write("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
-        os.makedirs("/run/munge", exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        self._start("munged", ["/usr/sbin/munged", "--foreground", "--force"], user="munge")
-        self._wait(lambda: os.path.exists("/run/munge/munge.socket.2"), "munged")
+        os.makedirs(MUNGE, exist_ok=True)
+        shutil.chown(MUNGE, "munge", "munge")
+        munged = ["/usr/sbin/munged", "--foreground", "--force", f"--socket={MUNGE}/munge.socket"]
+        munged += [f"--pid-file={MUNGE}/munged.pid", f"--seed-file={MUNGE}/munged.seed"]
+        self._start("munged", munged, user="munge")
+        self._wait(lambda: os.path.exists(f"{MUNGE}/munge.socket"), "munged")
         self._start("slurmctld", ["slurmctld", "-D", "-i"])
         for n in self.names:
             self._start(f"slurmd-{n}", ["slurmd", "-D", "-N", n], host=n)
@@ -228,9 +235,10 @@ class Cluster:
                 except (ProcessLookupError, ValueError):
                     pass
             _sh("ip", "netns", "del", ns, check=False)
-            _sh("ip", "link", "del", f"dalleveth{i}", check=False)
+            _sh("ip", "link", "del", f"dalle{INSTANCE}v{i}", check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         _sh("ip", "link", "del", BRIDGE, check=False)
+        shutil.rmtree(MUNGE, ignore_errors=True)
 
 
 def main(argv):
