@@ -16,6 +16,7 @@ EXAMPLES = os.path.join(ROOT, "examples", "slurm")
 
 def sbatch(cluster, example, args, cwd, *more):
     """Submit examples/slurm/<example> with the script and flags as its arguments; returns the job id."""
+    os.makedirs(cwd, exist_ok=True)
     env = cluster.env(OMP_NUM_THREADS="1")
     cmd = ["sbatch", "--parsable", "-N", "2", "--chdir", str(cwd), *more, os.path.join(EXAMPLES, example), *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=cwd)

@@ -1,0 +1,147 @@
+"""Preempted or hung, on 2 hosts: a signalled SLURM job saves within one step whatever --log_every is, exits well
+before SLURM's grace period (KillWait, 30 s here), requeues itself and resumes to the weights of the uninterrupted
+run; a rank that stops answering (SIGSTOP) is named by the others within --dist_timeout, and torchrun's restart
+resumes from the last checkpoint."""
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+from helpers import ROOT
+from launch import PORTS, assert_same, dalle_args
+from test_slurm import output, sbatch, wait
+
+from dalle_pytorch.files import safe_load
+
+BIN = os.path.dirname(__import__("sys").executable)
+STEPS = 300
+
+
+def long_run(vae_path, out):
+    # log and save far apart: only the signal makes the job save mid-run
+    args = dalle_args(vae_path, str(out), 4, steps=STEPS)
+    return [*args, "--log_every", "1000", "--save_every_n_steps", "1000", "--sample_every", "0"]
+
+
+def started(run_dir, timeout=120):
+    """Wait until the run trains (its step-0 checkpoint exists)."""
+    deadline = time.time() + timeout
+    while not (run_dir / "checkpoints" / "step-00000000").exists():
+        assert time.time() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    time.sleep(0.5)  # a few steps in
+
+
+def signalled_job(cluster, vae_path, tmp_path, send):
+    """Submit srun.sbatch, signal it with `send(job_id)` once it trains, and follow it to the end."""
+    out = tmp_path / "runs"
+    job_id = sbatch(cluster, "srun.sbatch", ["train_dalle.py", *long_run(vae_path, out)], tmp_path)
+    started(out / "dalle")
+    t0 = time.time()
+    send(job_id)
+    wait(cluster, job_id, states=("PENDING", "REQUEUED", "COMPLETED", "FAILED"), timeout=60)
+    stopped_after = time.time() - t0
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env())
+    info = wait(cluster, job_id, timeout=300)
+    log = output(tmp_path, job_id)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
+    saved = re.search(r"SIGTERM: saved a checkpoint at step (\d+)", log)
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert saved and resumed and saved.group(1) == resumed.group(1) and 0 < int(saved.group(1)) < STEPS, log[-4000:]
+    assert stopped_after < 25, f"the job took {stopped_after:.0f} s to save and leave (KillWait is 30 s)"
+    return safe_load(str(out / "dalle" / "dalle.pt"))["weights"]
+
+
+def uninterrupted(cluster, vae_path, tmp_path):
+    out = tmp_path / "runs"
+    job_id = sbatch(cluster, "srun.sbatch", ["train_dalle.py", *long_run(vae_path, out)], tmp_path)
+    info = wait(cluster, job_id)
+    assert info["JobState"] == "COMPLETED", output(tmp_path, job_id)[-3000:]
+    return safe_load(str(out / "dalle" / "dalle.pt"))["weights"]
+
+
+def test_sigterm_saves_requeues_and_resumes_to_the_same_weights(cluster, vae_path, tmp_path):
+    """SIGTERM to the batch script (`sbatch --signal=B:TERM@N`, or preemption): it passes SIGTERM to the tasks."""
+    full = uninterrupted(cluster, vae_path, tmp_path / "a")
+
+    def term(job_id):
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=cluster.env(), check=True)
+
+    assert_same(full, signalled_job(cluster, vae_path, tmp_path / "b", term))
+
+
+def test_time_limit_signal_saves_requeues_and_resumes(cluster, vae_path, tmp_path):
+    """The batch script alone gets USR1 (what `#SBATCH --signal=B:USR1@120` sends before the time limit) and
+    passes SIGTERM to the tasks."""
+    for name in ("torchrun", "srun", "deepspeed"):
+        assert "#SBATCH --signal=B:USR1@" in open(os.path.join(ROOT, "examples", "slurm", f"{name}.sbatch")).read()
+
+    def usr1(job_id):
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=cluster.env(), check=True)
+
+    signalled_job(cluster, vae_path, tmp_path, usr1)
+
+
+def worker_pid(cluster, host):
+    """The training process (not its launcher) running on `host`."""
+    for pid in subprocess.run(
+        ["ip", "netns", "pids", cluster.netns[host]], capture_output=True, text=True
+    ).stdout.split():
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if any(c.endswith("train_dalle.py") for c in cmd) and not any(
+            "torchrun" in c or "distributed.run" in c for c in cmd
+        ):
+            return int(pid)
+    return None
+
+
+def test_a_stopped_rank_is_named_and_the_restart_resumes(cluster, vae_path, tmp_path):
+    """SIGSTOP rank 1 (on hostb) mid-run: rank 0 stops within --dist_timeout plus the diagnosis, naming rank 1 and
+    its host; torchrun --max-restarts starts both again, and they resume from the last checkpoint."""
+    port = next(PORTS)
+    args = dalle_args(vae_path, str(tmp_path), 4, steps=400)
+    args += ["--log_every", "1000", "--save_every_n_steps", "10", "--sample_every", "0", "--dist_timeout", "10"]
+    args += ["--resume", "auto"]  # what torchrun's restart needs to continue (nothing to resume at the start)
+    rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"hosta:{port}", "--rdzv_id", "hang"]
+    torchrun = [f"{BIN}/torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--max-restarts", "1", *rdzv]
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    procs = [
+        cluster.popen(
+            h, [*torchrun, os.path.join(ROOT, "train_dalle.py"), *args], env=env, stdout=-1, stderr=-2, text=True
+        )
+        for h in cluster.names
+    ]
+    checkpoints = tmp_path / "dalle" / "checkpoints"
+    deadline = time.time() + 120
+    while not (checkpoints.exists() and any(p.name >= "step-00000020" for p in checkpoints.iterdir())):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the run did not reach step 20"
+        time.sleep(0.2)
+    stopped = worker_pid(cluster, "hostb")
+    os.kill(stopped, signal.SIGSTOP)
+    t0 = time.time()
+    log = tmp_path / "dalle" / "train.log"
+    while "did not answer" not in log.read_text():
+        assert time.time() - t0 < 60, log.read_text()[-3000:]
+        time.sleep(0.2)
+    named_after = time.time() - t0
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    text = log.read_text()
+    assert "error: rank 1 on hostb did not answer within --dist_timeout 10 s" in text, text[-3000:]
+    assert named_after < 10 + 20, f"named after {named_after:.0f} s"
+    resumed = re.search(r"resumed from \S+ at step (\d+)", text)
+    assert resumed and int(resumed.group(1)) >= 20, (text[-3000:], outs[0][-3000:])
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    assert "done at step 400" in text
