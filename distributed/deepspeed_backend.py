@@ -23,7 +23,16 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 from .base import Backend, StepOptions, StepResult, Workload
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
-from .deepspeed_config import DeepSpeedOptions, build_config, check_precision, choose_zero_stage, read_user_config
+from .deepspeed_config import (
+    DeepSpeedOptions,
+    build_config,
+    check_precision,
+    choose_zero_stage,
+    fixed_zero_stage,
+    json_zero_stage,
+    offloads,
+    read_user_config,
+)
 from .deepspeed_portable import group_names, has_state, sharded_state_dict
 from .deepspeed_portable import load as load_portable
 from .topology import Topology
@@ -114,15 +123,16 @@ class DeepSpeedBackend(Backend):
         return contextlib.nullcontext()  # the engine applies bf16 / fp16 itself, from the config
 
     def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
-        self._zero_stage = self._choose_stage(model, workload.activation_bytes)
         o = self._options
+        user_config = read_user_config(o.deepspeed_config)
+        stage = self._choose_stage(model, workload.activation_bytes, user_config)
         config, conflicts = build_config(
             micro_batch=workload.micro_batch,
             accumulation_steps=self._opts.accumulation_steps,
             world_size=self.world_size,
             clip_grad_norm=self._opts.clip_grad_norm,
             precision=self._opts.precision,
-            zero_stage=self._zero_stage,
+            zero_stage=stage,
             offload_optimizer=o.offload_optimizer,
             offload_params=o.offload_params,
             initial_scale_power=self._opts.initial_scale_power,
@@ -130,8 +140,10 @@ class DeepSpeedBackend(Backend):
             hysteresis=o.hysteresis,
             min_loss_scale=o.min_loss_scale,
             on_gpu=self.device.type == "cuda",
-            user_config=read_user_config(o.deepspeed_config),
+            user_config=user_config,
         )
+        # the JSON's stage wins over --zero_stage (with a warning): export, sampling and checkpoints follow it
+        self._zero_stage = int(config["zero_optimization"]["stage"])
         if self.is_main:
             for line in conflicts:
                 print(f"warning: {line}", flush=True)
@@ -142,20 +154,46 @@ class DeepSpeedBackend(Backend):
             model=model, optimizer=client_optimizer, lr_scheduler=make_scheduler, config=config
         )
         self._unlink_shm_buffer()  # a process group made before setup() leaves DeepSpeed's init to here
+        assert engine.zero_optimization_stage() == self._zero_stage, (engine.zero_optimization_stage(), config)
         self._stepper = EngineStepper(engine)
         self._checkpointer = DeepSpeedCheckpointer(self, engine, self._stepper, names, self._zero_stage)
         return engine, optimizer, scheduler
 
-    def _choose_stage(self, model, activation_bytes: float) -> int:
-        if self._options.zero_stage != "auto":
-            return int(self._options.zero_stage)
+    def _choose_stage(self, model, activation_bytes: float, user_config: dict) -> int:
+        """--zero_stage, the JSON's stage, or (auto) the lowest stage that fits on every rank, the same on all."""
+        o = self._options
+        stage = fixed_zero_stage(o, user_config)
+        if stage is not None:
+            if self.is_main and o.zero_stage == "auto":
+                json_set = json_zero_stage(user_config) is not None
+                why = "set in --deepspeed_config" if json_set else "the only stage that offloads parameters"
+                print(f"--zero_stage auto: ZeRO-{stage}, {why} (no estimate)", flush=True)
+            return stage
         n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        free = free_device_bytes(self.topo.local_world_size)
-        stage, estimates = choose_zero_stage(n, activation_bytes, free, self.world_size, self._opts.precision)
+        mine = torch.tensor([free_device_bytes(self.topo.local_world_size)], dtype=torch.float64, device=self.device)
+        free = self.all_gather(mine).tolist()  # every rank's: the stage must fit the smallest
+        low = min(range(len(free)), key=free.__getitem__)
+        offload_optimizer = offloads(o, user_config)[0]
+        try:
+            stage, estimates = choose_zero_stage(
+                n, activation_bytes, free[low], self.world_size, self._opts.precision, offload_optimizer
+            )
+            answer = [stage]
+        except ValueError as e:
+            answer, estimates = [f"{e} (rank {low} has the least free memory)"], []
+        # rank 0's answer is every rank's: no rank may run another stage, nor wait for a rank that raised
+        torch.distributed.broadcast_object_list(answer, src=0, device=self.device)
+        if isinstance(answer[0], str):
+            raise ValueError(answer[0])
         if self.is_main:
             table = ", ".join(f"ZeRO-{s} {b / 2**20:.1f} MiB" for s, b in estimates)
-            print(f"--zero_stage auto: chose ZeRO-{stage} (per-device estimates: {table})", flush=True)
-        return stage
+            print(
+                f"--zero_stage auto: ZeRO-{answer[0]} on every rank, the lowest that fits the smallest free memory "
+                f"({free[low] / 2**30:.2f} GiB, rank {low}; per-device estimates: {table}"
+                f"{', optimizer states offloaded' if offload_optimizer else ''})",
+                flush=True,
+            )
+        return answer[0]
 
     @contextlib.contextmanager
     def full_params(self, model):

@@ -3,7 +3,8 @@
 Memory per device follows the ZeRO paper (Rajbhandari et al. 2020, section 5): with mixed precision
 and Adam, Psi parameters cost 2 Psi (fp16/bf16 weights) + 2 Psi (gradients) + 12 Psi (fp32 master weights,
 momentum, variance) bytes; ZeRO-1 partitions the optimizer states, ZeRO-2 also the gradients, ZeRO-3 also
-the weights. In fp32 the weights and gradients are 4 Psi each and Adam adds 8 Psi.
+the weights. In fp32 the weights and gradients are 4 Psi each and Adam adds 8 Psi. --offload_optimizer moves
+the optimizer states (with the fp32 master weights: the 12 Psi) to host memory, ZeRO-Offload (Ren et al. 2021).
 """
 
 from __future__ import annotations
@@ -27,21 +28,28 @@ class DeepSpeedOptions:
     """The DeepSpeed backend's flags (the loss-scale start and window are shared by every backend's fp16)."""
 
     zero_stage: str = flag(
-        "auto", "DeepSpeed ZeRO stage; auto picks the lowest that fits in memory", choices=("auto", "0", "1", "2", "3")
+        "auto",
+        "DeepSpeed ZeRO stage; auto: the --deepspeed_config's stage, else 3 with --offload_params, else the lowest "
+        "that fits in the smallest free device memory of all ranks",
+        choices=("auto", "0", "1", "2", "3"),
     )
-    offload_optimizer: bool = flag(False, "DeepSpeed: keep optimizer states in CPU memory")
+    offload_optimizer: bool = flag(False, "DeepSpeed ZeRO-1/2/3: keep optimizer states in CPU memory")
     offload_params: bool = flag(False, "DeepSpeed ZeRO-3: keep parameters in CPU memory")
     deepspeed_config: str = flag("", "a DeepSpeed JSON config; our flags fill only what it leaves out")
     hysteresis: int = flag(2, "fp16 (DeepSpeed): overflows tolerated before the loss scale drops")
     min_loss_scale: float = flag(1.0, "fp16 (DeepSpeed): the loss scale never drops below this")
 
 
-def zero_memory_bytes(num_params: int, stage: int, world_size: int, precision: str) -> float:
+def zero_memory_bytes(
+    num_params: int, stage: int, world_size: int, precision: str, offload_optimizer: bool = False
+) -> float:
     """Model-state bytes per device (parameters, gradients, optimizer states) for a ZeRO stage."""
     if precision == "fp32":
         w, g, opt = 4.0, 4.0, 8.0
     else:
         w, g, opt = 2.0, 2.0, 12.0
+    if offload_optimizer:
+        opt = 0.0  # in host memory
     n = max(world_size, 1)
     if stage == 0:
         per = w + g + opt
@@ -57,21 +65,65 @@ def zero_memory_bytes(num_params: int, stage: int, world_size: int, precision: s
 
 
 def choose_zero_stage(
-    num_params: int, activation_bytes: float, free_bytes: float, world_size: int, precision: str, margin: float = 0.2
+    num_params: int,
+    activation_bytes: float,
+    free_bytes: float,
+    world_size: int,
+    precision: str,
+    offload_optimizer: bool = False,
+    margin: float = 0.2,
 ) -> tuple[int, list[tuple[int, float]]]:
     """The lowest stage whose estimate fits in (1 - margin) x free_bytes, and every stage's estimate.
 
     Lower stages communicate less, so the lowest one that fits is the fastest. Raises when none fits.
+    Offloading the optimizer needs ZeRO-1 or above (DeepSpeed ignores it at stage 0).
     """
-    estimates = [(s, zero_memory_bytes(num_params, s, world_size, precision) + activation_bytes) for s in range(4)]
+    stages = range(1, 4) if offload_optimizer else range(4)
+    estimates = [
+        (s, zero_memory_bytes(num_params, s, world_size, precision, offload_optimizer) + activation_bytes)
+        for s in stages
+    ]
     budget = free_bytes * (1 - margin)
     for stage, need in estimates:
         if need <= budget:
             return stage, estimates
     raise ValueError(
-        f"no ZeRO stage fits: ZeRO-3 needs {estimates[3][1] / 2**30:.2f} GiB per device, {budget / 2**30:.2f} GiB "
+        f"no ZeRO stage fits: ZeRO-3 needs {estimates[-1][1] / 2**30:.2f} GiB per device, {budget / 2**30:.2f} GiB "
         "available: lower --batch_size, add devices, or use --offload_optimizer / --offload_params"
     )
+
+
+def json_zero_stage(user_config: dict) -> int | None:
+    """zero_optimization.stage in the user's JSON, or None where it has none."""
+    stage = user_config.get("zero_optimization", {}).get("stage")
+    if stage is not None and str(stage) not in ("0", "1", "2", "3"):  # "auto" is Hugging Face's, not DeepSpeed's
+        raise ValueError(f"--deepspeed_config: zero_optimization.stage must be 0-3 (got {stage!r}): for auto, drop it")
+    return None if stage is None else int(stage)
+
+
+def offloads(options: DeepSpeedOptions, user_config: dict) -> tuple[bool, bool]:
+    """(optimizer states, parameters): whether each goes to host memory, by our flags or the user's JSON."""
+    zero = user_config.get("zero_optimization", {})
+
+    def on(key: str) -> bool:  # DeepSpeed's default device is "none": no offload
+        return (zero.get(key) or {}).get("device", "none") != "none"
+
+    return options.offload_optimizer or on("offload_optimizer"), options.offload_params or on("offload_param")
+
+
+def fixed_zero_stage(options: DeepSpeedOptions, user_config: dict) -> int | None:
+    """The ZeRO stage the flags or --deepspeed_config fix, or None when --zero_stage auto must estimate one.
+
+    An explicit --zero_stage that the JSON contradicts is returned as given: build_config warns and the JSON's
+    stage wins, as every key of the JSON does."""
+    if options.zero_stage != "auto":
+        return int(options.zero_stage)
+    stage = json_zero_stage(user_config)
+    if stage is not None:
+        return stage
+    if offloads(options, user_config)[1]:
+        return 3  # DeepSpeed offloads parameters in ZeRO-3 only
+    return None
 
 
 def build_config(
@@ -123,12 +175,18 @@ def build_config(
             "hysteresis": hysteresis,
             "min_loss_scale": min_loss_scale,
         }
+    # the user's JSON wins (_merge), so its stage is the one DeepSpeed runs and the one the offloads need
+    stage = json_zero_stage(user_config or {})
+    where = "--zero_stage" if stage is None else "zero_optimization.stage in --deepspeed_config"
+    stage = zero_stage if stage is None else stage
     zero = ours["zero_optimization"]
     if offload_optimizer:
+        if stage == 0:  # DeepSpeed would ignore it: stage 0 has no ZeRO optimizer to offload
+            raise ValueError(f"--offload_optimizer needs ZeRO-1, 2 or 3: set {where} to one of them (it is 0)")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if offload_params:
-        if zero_stage != 3:
-            raise ValueError("--offload_params needs --zero_stage 3 (or auto)")
+        if stage != 3:  # DeepSpeed would ignore it: only ZeRO-3 partitions (and so can offload) parameters
+            raise ValueError(f"--offload_params needs ZeRO-3: set {where} to 3 (it is {stage})")
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     if zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -156,6 +214,9 @@ def read_user_config(path: str) -> dict:
         raise FileNotFoundError(f"--deepspeed_config {path} does not exist")
     with open(path) as f:
         try:
-            return json.load(f)
+            config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"--deepspeed_config {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization", {}), dict):
+        raise ValueError(f'--deepspeed_config {path}: expected an object like {{"zero_optimization": {{"stage": 2}}}}')
+    return config

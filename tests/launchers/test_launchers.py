@@ -32,6 +32,7 @@ import train_dalle
 from dalle_pytorch.convert import convert
 from dalle_pytorch.files import safe_load
 from dalle_pytorch.training.checkpoints import step_dirs
+from distributed.checkpoint_io import load_shared_file
 
 
 def test_assert_same_catches_one_wrong_tensor():
@@ -219,6 +220,25 @@ def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
         [*dalle_args(vae_path, str(tmp_path / "b"), 4, steps=4, extra=args), "--resume", "auto"],
     )
     assert "resumed from" in out and "step-00000002" in out
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+
+
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
+def test_deepspeed_json_stage_with_zero_stage_auto(vae_path, tmp_path):
+    """ZeRO-3 set in --deepspeed_config, --zero_stage auto: trained, exported and resumed (from DeepSpeed's own
+    checkpoint, whose layout says stage 3) as ZeRO-3, reaching the uninterrupted run's parameters."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    args = ["--keep_n_checkpoints", "5", "--zero_stage", "auto", "--deepspeed_config", str(config)]
+    out = launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=args))
+    assert "--zero_stage auto: ZeRO-3, set in --deepspeed_config" in out
+    run = tmp_path / "a" / "dalle"
+    assert load_shared_file(str(run / "checkpoints" / "step-00000004"))["deepspeed"]["zero_stage"] == 3
+    full = safe_load(str(run / "dalle.pt"))["weights"]
+    restart_from_step_2(run, tmp_path / "b" / "dalle")
+    resumed = [*dalle_args(vae_path, str(tmp_path / "b"), 4, steps=4, extra=args), "--resume", "auto"]
+    out = launch("deepspeed", "train_dalle.py", resumed)
+    assert "step-00000002 at step 2" in out and "portable" not in out  # the ZeRO-3 layout matched
     assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
 
 
