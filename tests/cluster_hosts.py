@@ -135,8 +135,31 @@ class Cluster:
             )
         os.chmod(f"{self.bin}/ssh", 0o755)
         for n in self.names:
-            self._start(f"sshd-{n}", ["/usr/sbin/sshd", "-D", "-e", "-f", f"{r}/sshd_config"], host=n)
+            self._start_sshd(n)
         self._wait(lambda: all(self.run(n, ["ssh", n, "true"], timeout=20).returncode == 0 for n in self.names), "ssh")
+
+    def _start_sshd(self, host):
+        self._start(f"sshd-{host}", ["/usr/sbin/sshd", "-D", "-e", "-f", f"{self.root}/sshd_config"], host=host)
+
+    def _start_slurmd(self, host):
+        self._start(f"slurmd-{host}", ["slurmd", "-D", "-N", host], host=host)
+
+    def kill_host(self, host: str) -> None:
+        """The host dies: every process in its namespace (sshd, slurmd, the job's tasks) is killed at once."""
+        for pid in _sh("ip", "netns", "pids", self.netns[host], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def revive_host(self, host: str) -> None:
+        """The host is back: its sshd and slurmd start again and SLURM takes it into service."""
+        self.kill_host(host)
+        self._start_sshd(host)
+        self._start_slurmd(host)
+        _sh("scontrol", "update", f"NodeName={host}", "State=RESUME", check=False)
+        self._wait(lambda: _sh("sinfo", "-h", "-n", host, "-o", "%T", check=False).stdout.strip() == "idle", host)
+        self._save()
 
     def _slurm(self):
         d = os.path.join(self.root, "slurm")
@@ -156,7 +179,7 @@ class Cluster:
                 # the facts found on this machine: linuxproc and no task plugin, as cgroups cannot be used here
                 "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\n"
                 "SelectTypeParameters=CR_Core\nSchedulerType=sched/backfill\nReturnToService=2\nMpiDefault=none\n"
-                "JobAcctGatherType=jobacct_gather/none\nSlurmctldTimeout=30\nSlurmdTimeout=30\nInactiveLimit=0\n"
+                "JobAcctGatherType=jobacct_gather/none\nSlurmctldTimeout=30\nSlurmdTimeout=15\nInactiveLimit=0\n"
                 "KillWait=30\nMinJobAge=600\nJobRequeue=1\n"
                 f"{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n"
             )
@@ -170,7 +193,7 @@ class Cluster:
         self._wait(lambda: os.path.exists(f"{MUNGE}/munge.socket"), "munged")
         self._start("slurmctld", ["slurmctld", "-D", "-i"])
         for n in self.names:
-            self._start(f"slurmd-{n}", ["slurmd", "-D", "-N", n], host=n)
+            self._start_slurmd(n)
 
         def idle():
             states = _sh("sinfo", "-h", "-o", "%T", check=False).stdout.split()

@@ -145,3 +145,35 @@ def test_a_stopped_rank_is_named_and_the_restart_resumes(cluster, vae_path, tmp_
     assert resumed and int(resumed.group(1)) >= 20, (text[-3000:], outs[0][-3000:])
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     assert "done at step 400" in text
+
+
+def test_a_lost_host_resumes_on_the_one_left(cluster, vae_path, tmp_path):
+    """hostb dies mid-run (its slurmd and every process on it killed): rank 0 stops at once, naming it; SLURM
+    ends the job. Submitted again on the one host left (`sbatch -N 1`, as the README says), the run resumes from
+    its last checkpoint on 1 rank instead of 2, with the same global batch (accumulation 2 instead of 1)."""
+    out = tmp_path / "runs"
+    args = dalle_args(vae_path, str(out), 4, steps=STEPS, extra=["--global_batch_size", "8"])
+    args += ["--log_every", "1000", "--save_every_n_steps", "20", "--sample_every", "0", "--dist_timeout", "20"]
+    job_id = sbatch(cluster, "srun.sbatch", ["train_dalle.py", *args], tmp_path)
+    checkpoints = out / "dalle" / "checkpoints"
+    deadline = time.time() + 120
+    while not (checkpoints.exists() and any(p.name >= "step-00000040" for p in checkpoints.iterdir())):
+        assert time.time() < deadline, output(tmp_path, job_id)[-3000:]
+        time.sleep(0.2)
+    try:
+        cluster.kill_host("hostb")
+        # SLURM requeues a job that lost a node (--requeue); it would wait for 2 hosts: cancel it
+        first = wait(cluster, job_id, states=("PENDING", "REQUEUED", "FAILED", "NODE_FAIL", "COMPLETED"), timeout=120)
+        subprocess.run(["scancel", job_id], env=cluster.env())
+        again = sbatch(cluster, "srun.sbatch", ["train_dalle.py", *args], tmp_path, "--nodes=1")
+        info = wait(cluster, again, timeout=300)
+    finally:
+        cluster.revive_host("hostb")
+    first_log, log = output(tmp_path, job_id), output(tmp_path, again)
+    assert first["JobState"] != "COMPLETED", first_log[-4000:]
+    assert "rank 1 on hostb did not answer" in first_log, first_log[-4000:]
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == "hosta", (info, log[-4000:])
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= 40, log[-4000:]
+    assert "global batch 8 = 4 per rank x 1 ranks x 2 accumulation" in log, log[-4000:]
+    assert f"done at step {STEPS}" in log

@@ -18,7 +18,7 @@ def sbatch(cluster, example, args, cwd, *more):
     """Submit examples/slurm/<example> with the script and flags as its arguments; returns the job id."""
     os.makedirs(cwd, exist_ok=True)
     env = cluster.env(OMP_NUM_THREADS="1")
-    cmd = ["sbatch", "--parsable", "-N", "2", "--chdir", str(cwd), *more, os.path.join(EXAMPLES, example), *args]
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--chdir", str(cwd), *more, os.path.join(EXAMPLES, example), *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
