@@ -15,7 +15,8 @@ import sys
 def remove_stale_locks(root: str) -> list[str]:
     building = subprocess.run(["pgrep", "-f", "ninja|c\\+\\+ .*torch_extensions"], capture_output=True).returncode == 0
     removed = []
-    for lock in glob.glob(os.path.join(root, "*", "*", "lock")):
+    # <root>/<op>/lock with TORCH_EXTENSIONS_DIR set, <root>/<python+cuda tag>/<op>/lock under torch's default root
+    for lock in glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock")):
         if not building:
             os.remove(lock)
             removed.append(lock)
