@@ -39,7 +39,8 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         cfg.wandb_entity,
     )
     try:
-        check_shared_storage(backend, run.path)
+        if not recovery.world_size_may_change:  # an elastic joiner meets no startup collective (see below)
+            check_shared_storage(backend, run.path)
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
         resolved.update({k: dataclasses.asdict(v) for k, v in backend_options.items()})
         accum = cfg.accumulation_steps(backend.world_size)
@@ -90,9 +91,18 @@ def rank_dataset(
     return dataset
 
 
-def shared_text_tokenizer(flags, cfg, backend, run, dataset):
+def shared_text_tokenizer(flags, cfg, backend, recovery, run, dataset):
     """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and sent to every rank."""
-    share = lambda text: share_text(backend, text)  # noqa: E731
+
+    def share(text: str | None) -> str:
+        if not recovery.world_size_may_change:
+            return share_text(backend, text)
+        # elastic: a worker that joins later finds the others training, with no collective of theirs to meet;
+        # it reads the file rank 0 wrote (Horovod's barrier lets a joining worker through)
+        backend.barrier()
+        with open(os.path.join(run.path, "bpe.yttm")) as f:
+            return f.read()
+
     return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, share, run.print)
 
 

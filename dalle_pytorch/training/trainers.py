@@ -80,7 +80,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
             captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=run_cfg.resize_ratio,
         )  # fmt: skip
         if start is None:
-            tokenizer = shared_text_tokenizer(flags, cfg, backend, run, pairs)
+            tokenizer = shared_text_tokenizer(flags, cfg, backend, recovery, run, pairs)
             model_cfg = dataclasses.replace(
                 model_cfg,
                 num_text_tokens=tokenizer.vocab_size,
@@ -159,7 +159,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])
         else:
-            tokenizer = shared_text_tokenizer(vars(run_cfg), cfg, backend, run, pairs)
+            tokenizer = shared_text_tokenizer(vars(run_cfg), cfg, backend, recovery, run, pairs)
         model_cfg = dataclasses.replace(
             model_cfg,
             num_text_tokens=tokenizer.vocab_size,
