@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from .checkpoints import resolve_resume, save_checkpoint
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
 from .schedules import lr_factor
-from .signals import StopFlag, StopVote
+from .signals import GraceCheck, StopFlag, StopVote
 from .task import Task
 
 
@@ -93,10 +94,13 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     data = batches(task.dataset, cfg, backend, pos)
     window = MetricWindow(backend, task, run, cfg, total)
     vote = StopVote(parts.stop, backend)
+    grace = GraceCheck(run.print, backend.is_main)
     bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
     model.train()
     if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
+        t0 = time.perf_counter()
         save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+        grace.saved(time.perf_counter() - t0)
     while pos.step < total:
         for micro in range(accum):
             batch = task.prepare_batch(next(data), backend.device)
@@ -112,6 +116,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         stopping = vote()  # SIGTERM on any rank, agreed on by all: save and exit, whatever --log_every is
         if pos.step % cfg.log_every == 0 or pos.step == total or stopping:
             row = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
+            grace.stepped(row["seconds_per_step"])
             if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
                 raise FloatingPointError(
                     f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
@@ -119,7 +124,9 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         if cfg.sample_every and pos.step % cfg.sample_every == 0:
             write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
         if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
+            t0 = time.perf_counter()
             save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+            grace.saved(time.perf_counter() - t0)
             export(task, model, backend, run)
         if stopping:
             run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")

@@ -47,6 +47,7 @@ class MetricWindow:
         images_per_s = self.count * self.cfg.batch_size * b.world_size / elapsed
         row = dict(zip(names, means))
         row.update(
+            seconds_per_step=elapsed * self.cfg.accumulation_steps(b.world_size) / self.count,
             lr=lr,
             grad_norm=float(result.grad_norm),
             skipped=bool(result.skipped),

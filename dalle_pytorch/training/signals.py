@@ -3,7 +3,10 @@ it: every rank stops at the same step, at most one step after the first signal, 
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
 
 import torch
 
@@ -46,3 +49,45 @@ class StopVote:
         if self._pending is not None:
             self._pending()
             self._pending = None
+
+
+class GraceCheck:
+    """Says once, on rank 0, when a SIGTERM's save cannot fit in SLURM's grace period (KillWait: the seconds
+    between SIGTERM and SIGKILL): stopping takes up to two steps (the vote is read a step late) and a checkpoint,
+    both measured in this run. Outside SLURM, or where scontrol does not say, it stays silent."""
+
+    def __init__(self, log, is_main: bool, env=os.environ):
+        self.log = log
+        self.grace_s = slurm_kill_wait() if is_main and "SLURM_JOB_ID" in env else None
+        self.step_s = self.save_s = None
+
+    def saved(self, seconds: float) -> None:
+        self.save_s = max(self.save_s or 0.0, seconds)
+        self._check()
+
+    def stepped(self, seconds_per_step: float) -> None:
+        self.step_s = seconds_per_step
+        self._check()
+
+    def _check(self) -> None:
+        if self.grace_s is None or self.step_s is None or self.save_s is None:
+            return
+        need = 2 * self.step_s + self.save_s
+        if need > self.grace_s:
+            self.log(
+                f"warning: a step takes {self.step_s:.1f} s and a checkpoint {self.save_s:.1f} s, so saving on SIGTERM "
+                f"needs up to {need:.0f} s, more than SLURM gives before SIGKILL (KillWait {self.grace_s:.0f} s): a "
+                "preempted job would lose the steps since its last checkpoint; ask for a longer KillWait (or "
+                "GraceTime), or save more often with --save_every_n_steps"
+            )
+        self.grace_s = None  # once
+
+
+def slurm_kill_wait() -> float | None:
+    """SLURM's KillWait in seconds, from `scontrol show config`; None when scontrol is absent or silent."""
+    try:
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^KillWait\s*=\s*(\d+)\s*sec", out, re.MULTILINE)
+    return float(match.group(1)) if match else None

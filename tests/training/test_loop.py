@@ -178,3 +178,21 @@ def test_sigterm_on_one_rank_stops_every_rank_within_one_step(tmp_path):
     os.makedirs(tmp_path / "a")
     uninterrupted = on_ranks(2, _fit_ddp, str(tmp_path / "a"))[0]
     assert all(torch.equal(resumed[0][1][k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_a_save_that_cannot_fit_in_slurms_grace_period_is_said_once(monkeypatch):
+    """Two steps (the vote is read a step late) and a checkpoint must fit in KillWait, read from scontrol."""
+    from dalle_pytorch.training import signals
+
+    monkeypatch.setattr(signals, "slurm_kill_wait", lambda: 30.0)
+    lines = []
+    check = signals.GraceCheck(lines.append, is_main=True, env={"SLURM_JOB_ID": "7"})
+    check.saved(15.0)
+    check.stepped(10.0)  # 2 x 10 + 15 = 35 s > 30 s
+    check.stepped(12.0)
+    assert len(lines) == 1 and "needs up to 35 s" in lines[0] and "KillWait 30 s" in lines[0], lines
+    fits = signals.GraceCheck(lines.append, is_main=True, env={"SLURM_JOB_ID": "7"})
+    fits.saved(5.0), fits.stepped(10.0)
+    outside = signals.GraceCheck(lines.append, is_main=True, env={})
+    outside.saved(100.0), outside.stepped(100.0)
+    assert len(lines) == 1
