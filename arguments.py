@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from dalle_pytorch.compat import flags as predecessor_flags
-from dalle_pytorch.config import add_flags, flag, take
+from dalle_pytorch.config import FileParser, add_flags, flag, take
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -221,7 +221,7 @@ class CLIPRunConfig(CaptionDataConfig, TextTokenizerConfig):
 # ----------------------------------------------------------------------------------------------- parsing
 
 
-class Parser(argparse.ArgumentParser):
+class Parser(FileParser):
     """A trainer's parser; with `predecessor` set (train_vae, train_dalle) it also reads that script's flags of
     lucidrains' DALLE-pytorch 1.6 and turns them into ours (dalle_pytorch/compat/flags.py)."""
 

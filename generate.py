@@ -19,11 +19,11 @@ import argparse
 
 def build_parser() -> argparse.ArgumentParser:
     from dalle_pytorch.compat.flags import PredecessorFiles
-    from dalle_pytorch.config import add_flags
+    from dalle_pytorch.config import FileParser, add_flags
     from dalle_pytorch.inference.generate import GenerateConfig
     from dalle_pytorch.inference.pipeline import RerankConfig, SamplingConfig
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FileParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, GenerateConfig, "what to generate")
     add_flags(p, SamplingConfig, "sampling")
     add_flags(p, RerankConfig, "reranking with CLIP")

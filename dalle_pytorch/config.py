@@ -61,3 +61,74 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str) -> argparse._Arg
 def take(ns: argparse.Namespace, cls):
     """The dataclass `cls` filled from the parsed flags that name its fields."""
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+class FileParser(argparse.ArgumentParser):
+    """An entry point's parser with `--config FILE`: a YAML or JSON file of flag values (flat, or in sections as
+    a run's config.yaml has them), under the command line, which overrides it. Unknown keys, values outside a
+    flag's choices and files that do not parse end in one line, before anything runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--config",
+            default="",
+            help="a YAML or JSON file of flag values (a run's config.yaml relaunches that run); the command line "
+            "overrides it",
+        )
+
+    def parse_args(self, args=None, namespace=None):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", default="")
+        path = pre.parse_known_args(args)[0].config
+        if path:
+            try:
+                self.set_defaults(**self.read_config(path))
+            except ValueError as e:
+                self.exit(2, f"error: {e}\n")
+        return super().parse_args(args, namespace)
+
+    def read_config(self, path: str) -> dict:
+        """The flag values in `path`, checked against this parser's flags and converted to their types."""
+        import difflib
+
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)  # YAML 1.1 reads JSON too
+        except OSError as e:
+            raise ValueError(f"--config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path} does not parse as YAML or JSON: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {path}: expected a mapping of flag names to values, like `batch_size: 8`")
+        actions = {a.dest: a for a in self._actions if a.dest not in ("help", "config")}
+        values = {}
+        for key, value in data.items():
+            if key == "derived":  # what a run worked out (world size, ...), not a flag
+                continue
+            if isinstance(value, dict):  # a section of a run's config.yaml (no flag takes a mapping)
+                values.update(value)
+            else:
+                values[key] = value
+        unknown = [k for k in values if k not in actions]
+        if unknown:
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, actions, 1)) else repr(k)
+                     for k in unknown]  # fmt: skip
+            raise ValueError(f"--config {path}: unknown key {', '.join(hints)}")
+        return {k: _convert(actions[k], v, path) for k, v in values.items()}
+
+
+def _convert(action: argparse.Action, value, path: str):
+    """`value` as the command line would have given it: the flag's type, within its choices."""
+    if value is not None and action.type is not None and not isinstance(value, bool):
+        try:
+            value = [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"--config {path}: {action.dest}: {value!r} is not a {action.type.__name__}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"--config {path}: {action.dest} must be one of {', '.join(map(str, action.choices))}")
+    if isinstance(action, argparse.BooleanOptionalAction) and not isinstance(value, bool):
+        raise ValueError(f"--config {path}: {action.dest} must be true or false (got {value!r})")
+    return value

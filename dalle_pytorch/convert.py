@@ -25,7 +25,7 @@ from distributed import read_weights
 
 from .compat.flags import PredecessorFiles
 from .compat.weights import is_predecessor, predecessor_export
-from .config import add_flags, flag, take
+from .config import FileParser, add_flags, flag, take
 from .data.build import build_text_tokenizer
 from .errors import user_errors
 from .files import safe_load
@@ -81,7 +81,7 @@ class ConvertConfig:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FileParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, ConvertConfig, "what to convert")
     add_flags(p, PredecessorFiles, "--from_reference: " + PredecessorFiles.__doc__)
     ns = p.parse_args(argv)

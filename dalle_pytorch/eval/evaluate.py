@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from ..config import add_flags, flag, take
+from ..config import FileParser, add_flags, flag, take
 from ..inference.pipeline import RerankConfig, SamplingConfig
 from .summary import table
 
@@ -35,7 +35,7 @@ class EvalConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FileParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, EvalConfig, "evaluation")
     add_flags(p, SamplingConfig, "sampling")
     add_flags(p, RerankConfig, "reranking with CLIP")

@@ -60,10 +60,10 @@ class PlotConfig:
 
 
 def main(argv=None):
-    from ..config import add_flags, take
+    from ..config import FileParser, add_flags, take
     from ..errors import user_errors
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FileParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, PlotConfig, "plot")
     args = take(p.parse_args(argv), PlotConfig)
     if not args.run_dir:

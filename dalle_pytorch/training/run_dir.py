@@ -1,4 +1,5 @@
-"""The run directory: config.json, metrics.jsonl, train.log, TensorBoard events, samples/, checkpoints/.
+"""The run directory: config.json, config.yaml (the flags, for --config), metrics.jsonl, train.log, TensorBoard
+events, samples/, checkpoints/.
 
 Only rank 0 writes; the other ranks get an object whose methods do nothing, so callers never branch.
 """
@@ -72,6 +73,15 @@ class RunDir:
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
+
+    def write_flags(self, sections: dict) -> None:
+        """config.yaml: the run's flags by section, which `--config` reads back (the command line overrides it)."""
+        if self.is_main:
+            import yaml
+
+            with open(os.path.join(self.path, "config.yaml"), "w") as f:
+                f.write("# this run's flags: relaunch it with  --config THIS_FILE --resume auto\n")
+                yaml.safe_dump(sections, f, sort_keys=False)
 
     def update_config(self, section: str, value) -> None:
         """Rewrite one section once it is known (DALLE's vocabulary sizes come from the tokenizer and VAE)."""

@@ -52,6 +52,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
             "global_batch_size": cfg.batch_size * backend.world_size * accum,
         }
         run.write_config(resolved)
+        run.write_flags(flag_sections({**configs, **backend_options}))
         try:
             yield backend, recovery, run
         except Exception as e:  # a collective that timed out: name the ranks that stopped answering
@@ -144,3 +145,16 @@ def check_shared_storage(backend, run_path: str) -> None:
             "every host sees (a shared filesystem: NFS, Lustre, ...), since every rank writes its part of each "
             "checkpoint there and reads the whole back on resume"
         )
+
+
+def flag_sections(configs: dict) -> dict:
+    """The flags of a run, by section: what `--config runs/NAME/config.yaml` reads back to relaunch it."""
+    return {
+        title: {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if "help" in f.metadata}
+        for title, obj in configs.items()
+        if dataclasses.is_dataclass(obj)
+    }
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value

@@ -312,3 +312,20 @@ def test_shared_layers_on_two_zero3_ranks_equal_one_process(vae_path, tmp_path):
     assert torch.equal(
         weights["transformer.layers.0.ff.proj_in.weight"], weights["transformer.layers.1.ff.proj_in.weight"]
     )
+
+
+def test_config_yaml_relaunches_the_run(vae_path, tmp_path):
+    """A run's config.yaml holds its flags: `--config .../config.yaml --resume auto` alone (and where the copy
+    lies) relaunches it under torchrun: cut after step 2, it resumes to the uninterrupted run's weights."""
+    base = dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
+    launch("torchrun", "train_dalle.py", [*base, "--distributed_backend", "ddp"])
+    run = tmp_path / "a" / "dalle"
+    restart_from_step_2(run, tmp_path / "b" / "dalle")
+    config = str(tmp_path / "b" / "dalle" / "config.yaml")
+    out = launch(
+        "torchrun", "train_dalle.py", ["--config", config, "--resume", "auto", "--output_dir", str(tmp_path / "b")]
+    )
+    assert "step-00000002 at step 2" in out
+    assert_same(
+        safe_load(str(run / "dalle.pt"))["weights"], safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"]
+    )
