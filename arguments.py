@@ -167,7 +167,7 @@ class VAERunConfig:
     temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")
     anneal_steps: int = flag(0, "steps over which the temperature anneals; 0: the whole run")
     temp_schedule: str = flag("cosine", "temperature anneal shape", choices=("cosine", "exponential", "linear"))
-    vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.pt)")
+    vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.safetensors; a .pt path: torch's pickle)")
 
 
 DEFAULT_SAMPLE_CAPTIONS = [
@@ -200,7 +200,7 @@ class DALLERunConfig(CaptionDataConfig, TextTokenizerConfig):
     bpe_lowercase: bool = flag(
         False, "lowercase captions for a --bpe_path YouTokenToMe model (runs before 2026-12 did)"
     )
-    dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.pt)")
+    dalle_output: str = flag("", "path of the export (default: RUN_DIR/dalle.safetensors; a .pt path: torch's pickle)")
     precompute_tokens: bool = flag(
         False, "run the VAE over the data once before training (cached as RUN_DIR/tokens.pt; fixed crops)"
     )
@@ -215,7 +215,7 @@ class CLIPRunConfig(CaptionDataConfig, TextTokenizerConfig):
     image_size: int = flag(32, "image side without --dalle_path")
     channels: int = flag(3, "image channels without --dalle_path")
     text_seq_len: int = flag(32, "caption tokens without --dalle_path")
-    clip_output: str = flag("", "path of the export (default: RUN_DIR/clip.pt)")
+    clip_output: str = flag("", "path of the export (default: RUN_DIR/clip.safetensors; a .pt path: torch's pickle)")
 
 
 # ----------------------------------------------------------------------------------------------- parsing

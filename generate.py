@@ -1,6 +1,6 @@
 """Turn a trained DALLE export into images.
 
-    python generate.py --dalle_path runs/dalle/dalle.pt --text "a red circle above a blue square"
+    python generate.py --dalle_path runs/dalle/dalle.safetensors --text "a red circle above a blue square"
     python generate.py --dalle_path dalle.pt --text "a red circle|a blue square" --num_images 8 --cond_scale 3
     python generate.py --dalle_path dalle.pt --text_file prompts.txt --seed 1
     python generate.py --dalle_path dalle.pt --text "a red circle" --clip_path clip.pt --num_images 64 --keep 8

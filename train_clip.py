@@ -1,6 +1,6 @@
 """Train CLIP on caption/image pairs, to rerank the images a DALLE generates (generate.py --clip_path).
 
-    python train_clip.py --dalle_path runs/dalle/dalle.pt                  # the built-in dataset, the DALLE's tokenizer
+    python train_clip.py --dalle_path runs/dalle/dalle.safetensors   # the built-in dataset, the DALLE's tokenizer
     python train_clip.py --dalle_path dalle.pt --image_text_folder DIR      # x.jpg beside x.txt, nested
     torchrun --nproc_per_node 2 train_clip.py --dalle_path dalle.pt --image_text_folder DIR
     deepspeed --num_gpus 2 train_clip.py ...;  horovodrun -np 2 python train_clip.py ...
@@ -8,7 +8,7 @@
 --dalle_path takes the text tokenizer, the caption length and the image size from the DALLE export the
 CLIP will rerank for (a CLIP that reads other captions or images is refused at generation). The loss
 uses every rank's pairs as negatives, so N ranks x batch b trains as one process with batch N x b.
-Writes runs/clip/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export clip.pt.
+Writes runs/clip/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export clip.safetensors.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Train the DALLE transformer on caption/image pairs with a frozen VAE.
 
-    python train_dalle.py --vae_path runs/vae/vae.pt                        # the built-in synthetic dataset
+    python train_dalle.py --vae_path runs/vae/vae.safetensors                        # the built-in synthetic dataset
     python train_dalle.py --vae_path vae.pt --image_text_folder DIR         # x.jpg beside x.txt, nested
     python train_dalle.py --taming --vqgan_model_path last.ckpt --vqgan_config_path model.yaml --image_text_folder DIR
     python train_dalle.py --openai_vae_path DIR_WITH_ENCODER_AND_DECODER --image_text_folder DIR
     torchrun --nproc_per_node 2 train_dalle.py --vae_path vae.pt --image_text_folder DIR
 
 Writes runs/dalle/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/, the tokenizer) and the
-export dalle.pt, which holds the VAE and the tokenizer too: generate.py needs nothing else. A pretrained
+export dalle.safetensors, which holds the VAE and the tokenizer too: generate.py needs nothing else. A pretrained
 tokenizer (--taming, --openai_vae_path) is not copied into the export: it records the files, their config
 and a fingerprint of their weights, and generate.py reads the files again.
 """

@@ -4,7 +4,7 @@
     python train_vae.py --image_folder DIR                # any folder of images, nested or flat
     torchrun --nproc_per_node 2 train_vae.py --image_folder DIR
 
-Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export vae.pt.
+Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export vae.safetensors.
 """
 
 from __future__ import annotations

@@ -75,18 +75,18 @@ def end_to_end(tmp: str, env: dict) -> None:
     common = ["--output_dir", tmp, "--num_workers", "2", "--quiet", "--dataset_size", "256", "--sample_every", "0"]
     tiny_vae = ["--image_size", "32", "--num_tokens", "64", "--steps", "6", "--batch_size", "16"]
     guarded("train_vae.py")(script)("train_vae.py", [*tiny_vae, *common], env)
-    vae = os.path.join(tmp, "vae", "vae.pt")
+    vae = os.path.join(tmp, "vae", "vae.safetensors")
     dalle = ["--vae_path", vae, "--dim", "64", "--depth", "2", "--heads", "2", "--dim_head", "32", "--steps", "6"]
     guarded("train_dalle.py --checkpoint_activations --precision bf16")(script)(
         "train_dalle.py",
         [*dalle, "--text_seq_len", "16", "--checkpoint_activations", "--precision", "bf16", *common],
         env,
     )
-    dalle_path = os.path.join(tmp, "dalle", "dalle.pt")
+    dalle_path = os.path.join(tmp, "dalle", "dalle.safetensors")
     clip = ["--dalle_path", dalle_path, "--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--steps", "6"]
     guarded("train_clip.py")(script)("train_clip.py", [*clip, *common], env)
     gen = ["--dalle_path", dalle_path, "--text", "a red circle", "--num_images", "8", "--quiet"]
-    gen += ["--outputs_dir", os.path.join(tmp, "out"), "--clip_path", os.path.join(tmp, "clip", "clip.pt")]
+    gen += ["--outputs_dir", os.path.join(tmp, "out"), "--clip_path", os.path.join(tmp, "clip", "clip.safetensors")]
     guarded("generate.py --compile --keep 4 (CLIP reranking)")(script)(
         "generate.py", [*gen, "--compile", "--keep", "4"], env
     )

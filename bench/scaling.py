@@ -35,7 +35,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="scaling-")
     env = {**os.environ, "PYTHONPATH": ROOT}
-    vae = os.path.join(tmp, "vae", "vae.pt")
+    vae = os.path.join(tmp, "vae", "vae.safetensors")
     subprocess.run(
         [
             sys.executable,

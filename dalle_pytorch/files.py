@@ -1,6 +1,7 @@
 """Reading and writing this project's files safely: weights-only loading with errors that say what to do,
-atomic writes, and the one fingerprint of a model's config and weights. Depends on torch only, so the
-backends, the trainers and generate.py all use it."""
+atomic writes, and the one fingerprint of a model's config and weights. A path ending in .safetensors is read
+and written as safetensors (no pickle at all, memory-mapped reads), any other as torch.save's weights-only
+pickle. Depends on torch and safetensors only, so the backends, the trainers and generate.py all use it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import os
 
 import torch
 
+SAFETENSORS = ".safetensors"
+
 
 def safe_load(path: str, map_location="cpu"):
-    """torch.load with weights_only=True and errors that name the file and say what to do."""
+    """torch.load with weights_only=True (a .safetensors file: load_tree), with errors that name the file and
+    say what to do."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
+    if is_safetensors(path):
+        return load_tree(path, map_location)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # UnpicklingError, RuntimeError or EOFError depending on the damage
@@ -29,14 +35,76 @@ def safe_load(path: str, map_location="cpu"):
         ) from None
 
 
+def is_safetensors(path: str) -> bool:
+    """By content, not name (a copy may be renamed): safetensors begins with its header's 8-byte length and the
+    header's JSON; torch.save's files are zip archives ('PK')."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and not head.startswith(b"PK")
+
+
 def atomic_save(obj, path: str) -> None:
-    """torch.save to a temporary name, fsync, then rename over `path`: readers see old or new, never half."""
+    """Write to a temporary name, fsync, then rename over `path`: readers see old or new, never half. A
+    .safetensors path holds `obj` (a dict) as save_tree writes it; any other, torch.save's pickle."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    if path.endswith(SAFETENSORS):
+        save_tree(obj, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    else:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def save_tree(tree: dict, path: str) -> None:
+    """A nested dict of tensors and plain data (an export) as one safetensors file: each tensor under its path
+    in the tree ('weights/bos', 'vae/weights/...'), everything else as JSON in the header's metadata."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def strip(node, where: str):
+        if isinstance(node, torch.Tensor):  # a copy of its own: tied weights share storage, which safetensors refuses
+            tensors[where] = node.detach().cpu().contiguous().clone()
+            return {"__tensor__": where}
+        if isinstance(node, dict):
+            return {str(k): strip(v, f"{where}/{k}" if where else str(k)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(v, f"{where}/{i}") for i, v in enumerate(node)]
+        return node
+
+    save_file(tensors, path, metadata={"dalle_pytorch": json.dumps(strip(tree, ""))})
+
+
+def load_tree(path: str, map_location="cpu") -> dict:
+    """What save_tree wrote, tensors read from the memory-mapped file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device=str(map_location)) as f:
+            meta = (f.metadata() or {}).get("dalle_pytorch")
+            if meta is None:
+                raise ValueError(
+                    f"{path} is a safetensors file, but not one of this project's (no dalle_pytorch metadata)"
+                )
+
+            def fill(node):
+                if isinstance(node, dict):
+                    if set(node) == {"__tensor__"}:
+                        return f.get_tensor(node["__tensor__"])
+                    return {k: fill(v) for k, v in node.items()}
+                if isinstance(node, list):
+                    return [fill(v) for v in node]
+                return node
+
+            return fill(json.loads(meta))
+    except (SafetensorError, json.JSONDecodeError, OSError) as e:
+        raise ValueError(
+            f"{path} is truncated or corrupted ({type(e).__name__}: {str(e)[:160]}); use an earlier one"
+        ) from None
 
 
 def fingerprint(config: dict, weights: dict[str, torch.Tensor]) -> str:

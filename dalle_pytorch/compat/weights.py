@@ -206,8 +206,8 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
     """Our DALLE export's fields (config, weights, vae, tokenizer) from the predecessor's dalle.pt.
 
     Its image tokenizer is in its `vae.*` tensors: its own DiscreteVAE becomes our VAE export inside the
-    DALLE export; OpenAI's dVAE or a VQGAN is written to `files_dir` as state dicts (encoder.pt + decoder.pt,
-    or vqgan.pt) and recorded like any pretrained tokenizer (a VQGAN also needs its config)."""
+    DALLE export; OpenAI's dVAE or a VQGAN is written to `files_dir` as safetensors (encoder + decoder,
+    or vqgan.safetensors) and recorded like any pretrained tokenizer (a VQGAN also needs its config)."""
     from ..models.pretrained import load_openai, load_vqgan
 
     hparams = obj["hparams"]
@@ -226,7 +226,7 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
         num_tokens, fmap = vae_cfg.num_tokens, vae_cfg.fmap_size
     elif kind == "openai":
         for part in ("enc", "dec"):
-            name = "encoder.pt" if part == "enc" else "decoder.pt"
+            name = "encoder.safetensors" if part == "enc" else "decoder.safetensors"  # no pickle
             _save_once(_prefixed(weights, f"{part}."), os.path.join(files_dir, name))
         tokenizer, vae = load_openai(files_dir, IMAGE_SIZE)
         num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size
@@ -235,7 +235,7 @@ def dalle_parts(obj: dict, what: str, text_tokenizer, files_dir: str, vqgan_conf
             from .downloads import fetch
 
             vqgan_config_path = fetch("vqgan_1024_config")
-        model_path = os.path.join(files_dir, "vqgan.pt")
+        model_path = os.path.join(files_dir, "vqgan.safetensors")
         _save_once(weights, model_path)
         tokenizer, vae = load_vqgan(model_path, vqgan_config_path, IMAGE_SIZE)
         num_tokens, fmap = tokenizer.num_tokens, tokenizer.fmap_size

@@ -172,6 +172,10 @@ def load_untrusted(path: str, flag: str, hint: str = ""):
     torch file at all, for the error messages."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path} does not exist")
+    from ..files import is_safetensors, load_tree
+
+    if is_safetensors(path):  # no pickle to scan: a converted cache of ours, or the user's own safetensors weights
+        return load_tree(path) if _ours(path) else _plain_safetensors(path)
     try:
         names, source = _scan(path)
     except pickle.UnpicklingError as e:  # an opcode torch's unpickler does not run
@@ -210,3 +214,16 @@ def module_state_dict(obj, prefix: str = "") -> dict[str, torch.Tensor]:
         if child is not None:
             out.update(module_state_dict(child, f"{prefix}{name}."))
     return out
+
+
+def _ours(path: str) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return "dalle_pytorch" in (f.metadata() or {})
+
+
+def _plain_safetensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)

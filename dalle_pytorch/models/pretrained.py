@@ -103,8 +103,8 @@ def openai_weights(directory: str) -> dict[str, torch.Tensor]:
 
 
 def openai_file(directory: str, part: str) -> str:
-    """DIR/encoder.pt, .pth or .pkl (the first that exists; `part` "decoder" likewise), or "" if none does."""
-    found = [os.path.join(directory, part + ext) for ext in (".pt", ".pth", ".pkl")]
+    """DIR/encoder.safetensors, .pt, .pth or .pkl (the first that exists; `part` "decoder" likewise), or ""."""
+    found = [os.path.join(directory, part + ext) for ext in (".safetensors", ".pt", ".pth", ".pkl")]
     return next((p for p in found if os.path.exists(p)), "")
 
 

@@ -46,7 +46,7 @@ def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
         task = VAETask(
             DiscreteVAE(model_cfg),
             dataset,
-            run_cfg.vae_output or os.path.join(run.path, "vae.pt"),
+            run_cfg.vae_output or os.path.join(run.path, "vae.safetensors"),
             (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
         )
         pos = train(task, cfg, backend, recovery, run)
@@ -99,7 +99,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
         dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
         if run_cfg.precompute_tokens:
             dataset = precomputed(dataset, vae, vae_id, run, backend)
-        export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.pt")
+        export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.safetensors")
         task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed)
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)
@@ -174,7 +174,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
             clip,
             tokenizer,
             tokenized(pairs, tokenizer, model_cfg.text_seq_len),
-            run_cfg.clip_output or os.path.join(run.path, "clip.pt"),
+            run_cfg.clip_output or os.path.join(run.path, "clip.safetensors"),
             gather=lambda x: (backend.all_gather(x), backend.rank * x.shape[0]),
         )
         pos = train(task, cfg, backend, recovery, run)

@@ -51,7 +51,7 @@ def on_first(cluster, argv, timeout=300):
 def assert_equals_reference(run_dir, reference, launcher):
     ref_weights, ref_norms = reference[8]
     assert grad_norms(run_dir) == pytest.approx(ref_norms, rel=NORM_RTOL)
-    assert_same(ref_weights, safe_load(os.path.join(run_dir, "dalle.pt"))["weights"])
+    assert_same(ref_weights, safe_load(os.path.join(run_dir, "dalle.safetensors"))["weights"])
     import json
 
     derived = json.load(open(os.path.join(run_dir, "config.json")))["derived"]

@@ -51,7 +51,7 @@ def signalled_job(cluster, vae_path, tmp_path, send):
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
     assert saved and resumed and saved.group(1) == resumed.group(1) and 0 < int(saved.group(1)) < STEPS, log[-4000:]
     assert stopped_after < 25, f"the job took {stopped_after:.0f} s to save and leave (KillWait is 30 s)"
-    return safe_load(str(out / "dalle" / "dalle.pt"))["weights"]
+    return safe_load(str(out / "dalle" / "dalle.safetensors"))["weights"]
 
 
 def uninterrupted(cluster, vae_path, tmp_path):
@@ -59,7 +59,7 @@ def uninterrupted(cluster, vae_path, tmp_path):
     job_id = sbatch(cluster, "srun.sbatch", ["train_dalle.py", *long_run(vae_path, out)], tmp_path)
     info = wait(cluster, job_id)
     assert info["JobState"] == "COMPLETED", output(tmp_path, job_id)[-3000:]
-    return safe_load(str(out / "dalle" / "dalle.pt"))["weights"]
+    return safe_load(str(out / "dalle" / "dalle.safetensors"))["weights"]
 
 
 def test_sigterm_saves_requeues_and_resumes_to_the_same_weights(cluster, vae_path, tmp_path):

@@ -56,7 +56,7 @@ def test_sbatch_example_trains_on_two_hosts(cluster, vae_path, tmp_path, example
     derived = json.load(open(run / "config.json"))["derived"]
     assert derived["world_size"] == 2, derived
     assert info["NodeList"] == "host[a-b]" or info["NodeList"] == "hosta,hostb", info["NodeList"]
-    assert (run / "dalle.pt").exists()
+    assert (run / "dalle.safetensors").exists()
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2, 3]
 
 

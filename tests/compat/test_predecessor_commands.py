@@ -30,6 +30,7 @@ import train_dalle
 import train_vae
 from dalle_pytorch import convert
 from dalle_pytorch.data.shapes_export import export_folder, sample
+from dalle_pytorch.files import safe_load
 from dalle_pytorch.inference.load import load_dalle
 
 OLD = os.path.join(TESTS, "fixtures", "reference", "plain")  # vae.pt and dalle.pt written by dalle-pytorch 1.6.6
@@ -219,5 +220,5 @@ def test_horovod(files, tmp_path):
     command = "$ horovodrun -np 2 train_dalle.py --vae_path ./vae.pt --image_text_folder /path/to/data"
     out = run(command + " --distributed_backend horovod", files, str(tmp_path))
     assert "done at step 2" in out
-    weights = torch.load(os.path.join(tmp_path, "dalle", "dalle.pt"), weights_only=True)["weights"]
+    weights = safe_load(os.path.join(tmp_path, "dalle", "dalle.safetensors"))["weights"]
     assert all(torch.isfinite(w).all() for w in weights.values())

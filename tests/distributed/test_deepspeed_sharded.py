@@ -53,7 +53,7 @@ def test_every_rank_writes_its_share(stage, vae_path, tmp_path, capsys):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", stage]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=args))
     run = tmp_path / "ds" / "dalle"
-    full = safe_load(str(run / "dalle.pt"))["weights"]
+    full = safe_load(str(run / "dalle.safetensors"))["weights"]
     for step in ("step-00000002", "step-00000004"):  # weights, moments and step in both
         dcp_dir = run / "checkpoints" / step / "dcp"
         sizes = tensor_bytes_per_file(dcp_dir)
@@ -69,4 +69,4 @@ def test_every_rank_writes_its_share(stage, vae_path, tmp_path, capsys):
     restart_from_step_2(run, tmp_path / "one" / "dalle")
     train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
     assert "step-00000002 at step 2" in capsys.readouterr().out
-    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.safetensors"))["weights"])

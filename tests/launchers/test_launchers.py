@@ -75,14 +75,14 @@ def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, referenc
     ref_weights, ref_norms = reference[16 if accumulate else 8]
     assert max(ref_norms) > 1.0  # clipping is active
     assert grad_norms(run) == pytest.approx(ref_norms, rel=NORM_RTOL)
-    assert_same(ref_weights, safe_load(os.path.join(run, "dalle.pt"))["weights"])
+    assert_same(ref_weights, safe_load(os.path.join(run, "dalle.safetensors"))["weights"])
     config = json.load(open(os.path.join(run, "config.json")))
     assert config["derived"]["world_size"] == 2 and config["derived"]["accumulation_steps"] == (2 if accumulate else 1)
     assert os.path.exists(os.path.join(run, "samples", "step-00000002.png"))
     if not accumulate and kind != "horovod":
         # the final resume checkpoint, sharded or not, converts to the same export, which generates anywhere
         converted = convert(step_dirs(os.path.join(run, "checkpoints"))[0], os.path.join(run, "converted.pt"))
-        assert_same(safe_load(os.path.join(run, "dalle.pt"))["weights"], safe_load(converted)["weights"])
+        assert_same(safe_load(os.path.join(run, "dalle.safetensors"))["weights"], safe_load(converted)["weights"])
         folders = generate.main(
             [
                 "--dalle_path",
@@ -110,7 +110,7 @@ def test_horovod_fp16_compression(vae_path, reference, tmp_path):
     first = abs(grad_norms(run)[0] / ref_norms[0] - 1)
     assert 2e-6 < first < 5e-4, first
     assert grad_norms(run) == pytest.approx(ref_norms, rel=5e-4)
-    weights = safe_load(os.path.join(run, "dalle.pt"))["weights"]
+    weights = safe_load(os.path.join(run, "dalle.safetensors"))["weights"]
     # measured: max 1.2e-3; the most affected tensor, layers.1.attn.to_qkv.weight, has 1.6% beyond CLOSE
     assert_same(ref_weights, weights, far=3 * FAR, beyond_close=0.02)
 
@@ -119,7 +119,7 @@ def test_horovod_fp16_compression(vae_path, reference, tmp_path):
 def test_train_vae_under_launcher(kind, tmp_path):
     launch(kind, "train_vae.py", [*TINY_VAE, "--batch_size", "4", "--steps", "2", "--output_dir", str(tmp_path)])
     run = os.path.join(tmp_path, "vae")
-    assert os.path.exists(os.path.join(run, "vae.pt"))
+    assert os.path.exists(os.path.join(run, "vae.safetensors"))
     assert json.load(open(os.path.join(run, "config.json")))["derived"]["world_size"] == 2
 
 
@@ -187,16 +187,16 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     base = dalle_args(vae_path, str(tmp_path / "ddp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*base, "--distributed_backend", "ddp"])
     run = tmp_path / "ddp" / "dalle"
-    full = safe_load(str(run / "dalle.pt"))["weights"]
+    full = safe_load(str(run / "dalle.safetensors"))["weights"]
 
     restart_from_step_2(run, tmp_path / "hvd" / "dalle")
     launch("horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"])
-    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.safetensors"))["weights"])
 
     restart_from_step_2(run, tmp_path / "ds" / "dalle")
     ds = dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=["--zero_stage", "1"])
     assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*ds, "--resume", "auto"])
-    assert_same(full, safe_load(str(tmp_path / "ds" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "ds" / "dalle" / "dalle.safetensors"))["weights"])
 
     fsdp = dalle_args(vae_path, str(tmp_path / "fsdp"), 4, steps=4, extra=["--keep_n_checkpoints", "5"])
     launch("torchrun", "train_dalle.py", [*fsdp, "--distributed_backend", "fsdp"])
@@ -205,14 +205,14 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
     # from its data position (samples consumed by all ranks, not per-rank batches)
     one = dalle_args(vae_path, str(tmp_path / "one"), 4, steps=4, extra=["--global_batch_size", "8"])
     train_dalle.main([*one, "--resume", "auto"])
-    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers
 def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", "2"]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=args))
-    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.pt"))["weights"]
+    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.safetensors"))["weights"]
     restart_from_step_2(tmp_path / "a" / "dalle", tmp_path / "b" / "dalle")
     out = launch(
         "deepspeed",
@@ -220,7 +220,7 @@ def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
         [*dalle_args(vae_path, str(tmp_path / "b"), 4, steps=4, extra=args), "--resume", "auto"],
     )
     assert "resumed from" in out and "step-00000002" in out
-    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers
@@ -234,12 +234,12 @@ def test_deepspeed_json_stage_with_zero_stage_auto(vae_path, tmp_path):
     assert "--zero_stage auto: ZeRO-3, set in --deepspeed_config" in out
     run = tmp_path / "a" / "dalle"
     assert load_shared_file(str(run / "checkpoints" / "step-00000004"))["deepspeed"]["zero_stage"] == 3
-    full = safe_load(str(run / "dalle.pt"))["weights"]
+    full = safe_load(str(run / "dalle.safetensors"))["weights"]
     restart_from_step_2(run, tmp_path / "b" / "dalle")
     resumed = [*dalle_args(vae_path, str(tmp_path / "b"), 4, steps=4, extra=args), "--resume", "auto"]
     out = launch("deepspeed", "train_dalle.py", resumed)
     assert "step-00000002 at step 2" in out and "portable" not in out  # the ZeRO-3 layout matched
-    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers
@@ -254,31 +254,31 @@ def test_deepspeed_checkpoint_resumes_anywhere(vae_path, tmp_path, capsys):
         dalle_args(vae_path, str(tmp_path / "ds"), 4, steps=4, extra=[*base, "--zero_stage", "2"]),
     )
     run = tmp_path / "ds" / "dalle"
-    full = safe_load(str(run / "dalle.pt"))["weights"]
+    full = safe_load(str(run / "dalle.safetensors"))["weights"]
 
     restart_from_step_2(run, tmp_path / "hvd" / "dalle")
     out = launch(
         "horovod", "train_dalle.py", [*dalle_args(vae_path, str(tmp_path / "hvd"), 4, steps=4), "--resume", "auto"]
     )
     assert "resumed from" in out and "step-00000002" in out  # not a fallback to the step-0 checkpoint
-    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "hvd" / "dalle" / "dalle.safetensors"))["weights"])
 
     restart_from_step_2(run, tmp_path / "one" / "dalle")
     train_dalle.main([*dalle_args(vae_path, str(tmp_path / "one"), 8, steps=4), "--resume", "auto"])
     assert "step-00000002 at step 2" in capsys.readouterr().out
-    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "one" / "dalle" / "dalle.safetensors"))["weights"])
 
     restart_from_step_2(run, tmp_path / "z3" / "dalle")
     z3 = dalle_args(vae_path, str(tmp_path / "z3"), 4, steps=4, extra=["--zero_stage", "3"])
     out = launch("deepspeed", "train_dalle.py", [*z3, "--resume", "auto"])
     assert "portable" in out and "step-00000002 at step 2" in out
-    assert_same(full, safe_load(str(tmp_path / "z3" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "z3" / "dalle" / "dalle.safetensors"))["weights"])
 
     # the optimizer offloaded to the CPU keeps persistent gradient buffers that loading must not drop
     restart_from_step_2(run, tmp_path / "off" / "dalle")
     off = dalle_args(vae_path, str(tmp_path / "off"), 4, steps=4, extra=["--zero_stage", "3", "--offload_optimizer"])
     assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*off, "--resume", "auto"])
-    assert_same(full, safe_load(str(tmp_path / "off" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "off" / "dalle" / "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers
@@ -287,11 +287,11 @@ def test_deepspeed_stage0_bf16_checkpoint_resumes_under_zero2(vae_path, tmp_path
     portable checkpoint must carry those copies and their Adam moments, or the resumed run drifts."""
     args = ["--keep_n_checkpoints", "5", "--precision", "bf16"]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, 4, [*args, "--zero_stage", "0"]))
-    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.pt"))["weights"]
+    full = safe_load(str(tmp_path / "a" / "dalle" / "dalle.safetensors"))["weights"]
     restart_from_step_2(tmp_path / "a" / "dalle", tmp_path / "b" / "dalle")
     resumed = dalle_args(vae_path, str(tmp_path / "b"), 4, 4, [*args, "--zero_stage", "2"])
     assert "step-00000002 at step 2" in launch("deepspeed", "train_dalle.py", [*resumed, "--resume", "auto"])
-    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"])
+    assert_same(full, safe_load(str(tmp_path / "b" / "dalle" / "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.launchers
@@ -307,8 +307,8 @@ def test_shared_layers_on_two_zero3_ranks_equal_one_process(vae_path, tmp_path):
     )
     one, two = (os.path.join(tmp_path, d, "dalle") for d in ("one", "two"))
     assert grad_norms(two) == pytest.approx(grad_norms(one), rel=NORM_RTOL)
-    weights = safe_load(os.path.join(two, "dalle.pt"))["weights"]
-    assert_same(safe_load(os.path.join(one, "dalle.pt"))["weights"], weights)
+    weights = safe_load(os.path.join(two, "dalle.safetensors"))["weights"]
+    assert_same(safe_load(os.path.join(one, "dalle.safetensors"))["weights"], weights)
     assert torch.equal(
         weights["transformer.layers.0.ff.proj_in.weight"], weights["transformer.layers.1.ff.proj_in.weight"]
     )
@@ -327,5 +327,6 @@ def test_config_yaml_relaunches_the_run(vae_path, tmp_path):
     )
     assert "step-00000002 at step 2" in out
     assert_same(
-        safe_load(str(run / "dalle.pt"))["weights"], safe_load(str(tmp_path / "b" / "dalle" / "dalle.pt"))["weights"]
+        safe_load(str(run / "dalle.safetensors"))["weights"],
+        safe_load(str(tmp_path / "b" / "dalle" / "dalle.safetensors"))["weights"],
     )

@@ -71,7 +71,7 @@ def test_two_ranks_with_recomputation_equal_one_process_without(kind, extra, vae
     run = os.path.join(tmp_path, "dalle")
     ref_weights, ref_norms = reference[16 if "--global_batch_size" in extra else 8]
     assert grad_norms(run) == pytest.approx(ref_norms, rel=1e-4)
-    assert_same(ref_weights, safe_load(os.path.join(run, "dalle.pt"))["weights"])
+    assert_same(ref_weights, safe_load(os.path.join(run, "dalle.safetensors"))["weights"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -127,7 +127,7 @@ def test_two_ranks_equal_one_process_at_the_same_global_batch(kind, extra, dalle
     ref_weights, ref_norms = reference
     assert max(ref_norms) > 0.5  # clipping is active
     assert grad_norms(run) == pytest.approx(ref_norms, rel=NORM_RTOL)
-    assert_same(ref_weights, safe_load(os.path.join(run, "clip.pt"))["weights"])
+    assert_same(ref_weights, safe_load(os.path.join(run, "clip.safetensors"))["weights"])
 
 
 @pytest.mark.e2e

@@ -143,4 +143,4 @@ def test_two_ranks_train_the_patterns_as_one_process(kind, extra, vae_path, spar
     run = os.path.join(tmp_path, "dalle")
     weights, norms = sparse_reference
     assert grad_norms(run) == pytest.approx(norms, rel=1e-4)
-    assert_same(weights, safe_load(os.path.join(run, "dalle.pt"))["weights"])
+    assert_same(weights, safe_load(os.path.join(run, "dalle.safetensors"))["weights"])

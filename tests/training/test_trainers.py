@@ -59,7 +59,7 @@ def vae_path(tmp_path_factory):
 @pytest.mark.e2e
 def test_vae_run_directory(vae_path):
     run = os.path.dirname(vae_path)
-    for name in ("config.json", "metrics.jsonl", "train.log", "vae.pt"):
+    for name in ("config.json", "metrics.jsonl", "train.log", "vae.safetensors", "config.yaml"):
         assert os.path.exists(os.path.join(run, name)), name
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [2, 4]
