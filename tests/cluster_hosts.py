@@ -175,7 +175,8 @@ class Cluster:
                 f"StateSaveLocation={d}/state\nSlurmdSpoolDir={d}/spool/%n\nSlurmdPidFile={d}/slurmd-%n.pid\n"
                 f"SlurmctldPidFile={d}/slurmctld.pid\nSlurmctldLogFile={d}/slurmctld.log\nSlurmdLogFile={d}/slurmd-%n.log\n"
                 f"SlurmctldPort={16817 + 10 * INSTANCE}\nSlurmdPort={16818 + 10 * INSTANCE}\n"
-                f"AuthInfo=socket={MUNGE}/munge.socket\n"
+                # cred_expire: how long a requeued job waits before it may start again (120 s by default)
+                f"AuthInfo=socket={MUNGE}/munge.socket,cred_expire=10\n"
                 # the facts found on this machine: linuxproc and no task plugin, as cgroups cannot be used here
                 "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\n"
                 "SelectTypeParameters=CR_Core\nSchedulerType=sched/backfill\nReturnToService=2\nMpiDefault=none\n"

@@ -11,6 +11,8 @@ import pytest
 from helpers import ROOT
 from launch import dalle_args
 
+from dalle_pytorch.training.checkpoints import step_dirs
+
 EXAMPLES = os.path.join(ROOT, "examples", "slurm")
 
 
@@ -67,18 +69,14 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, vae_path, tmp_path):
     job_id = sbatch(cluster, "torchrun.sbatch", ["train_dalle.py", *args], tmp_path)
     checkpoints = tmp_path / "runs" / "dalle" / "checkpoints"
     deadline = time.time() + 180
-    while not (checkpoints.exists() and any(p.name >= "step-00000010" for p in checkpoints.iterdir())):
+    while not any(d >= str(checkpoints / "step-00000010") for d in step_dirs(str(checkpoints))):
         assert time.time() < deadline, output(tmp_path, job_id)[-3000:]
         time.sleep(0.2)
     subprocess.run(["scontrol", "requeue", job_id], env=cluster.env(), check=True)
-    # SLURM holds a requeued batch job back (its BeginTime moves about 2 minutes on): let it start when it can
-    wait(cluster, job_id, states=("PENDING",), timeout=120)
-    held = job(cluster, job_id).get("EligibleTime")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
     info = wait(cluster, job_id, timeout=400)
     log = output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED", log[-5000:]
-    assert info["Restarts"] == "1", (info, held)
+    assert info["Restarts"] == "1", info
     assert "(restart 1)" in log
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= 10, log[-3000:]
