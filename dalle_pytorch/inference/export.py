@@ -17,10 +17,19 @@ EXPORT_FORMAT_VERSION = 1
 
 
 def save_export(path: str, kind: str, config: dict, weights: dict, **extra) -> None:
+    """safetensors for a .safetensors path (the trainers' default), torch's weights-only pickle otherwise; the
+    same content either way: tuples are written as lists, as JSON (and so safetensors' metadata) has them."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_save(
-        {"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}, path
-    )
+    export = {"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}
+    atomic_save(_lists(export), path)
+
+
+def _lists(node):
+    if isinstance(node, dict):
+        return {k: _lists(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_lists(v) for v in node]
+    return node
 
 
 def load_export(path: str, kind: str, predecessor: dict | None = None, say=print) -> dict:

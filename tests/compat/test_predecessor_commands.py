@@ -141,8 +141,8 @@ def test_resume_from_its_dalle(files, tmp_path, capsys):
     # a resume checkpoint of that run converts to the same export (its VAE and tokenizer come from the start file)
     step = sorted(glob.glob(os.path.join(str(tmp_path), "dalle", "checkpoints", "step-*")))[-1]
     convert.main([step, "--out", str(tmp_path / "converted.pt")])
-    again = torch.load(str(tmp_path / "converted.pt"), weights_only=True)
-    export = torch.load(path, weights_only=True)
+    again = safe_load(str(tmp_path / "converted.pt"))
+    export = safe_load(path)
     assert again["tokenizer"] == export["tokenizer"] and again["vae"]["config"] == export["vae"]["config"]
     assert all(torch.equal(again["weights"][k], w) for k, w in export["weights"].items())
     with pytest.raises(SystemExit):  # its model is the file's: a model flag is refused, by name

@@ -29,6 +29,7 @@ from pretrained_refs import (
     taming_tokenize,
 )
 
+from dalle_pytorch.files import safe_load
 from dalle_pytorch.models.inert_pickle import load_untrusted
 from dalle_pytorch.models.pretrained import load_openai, load_vqgan, read_vqgan_config, vqgan_weights
 from dalle_pytorch.models.vqgan import VQGAN, VQGANConfig
@@ -367,7 +368,7 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
     export = train_dalle.main(
         [*TRAIN, "--taming", "--vqgan_model_path", ckpt, "--vqgan_config_path", config, "--output_dir", out]
     )
-    record = torch.load(export, weights_only=True)["vae"]
+    record = safe_load(export)["vae"]
     assert record["kind"] == "vqgan" and "weights" not in record and record["image_size"] == 16
     assert os.path.exists(os.path.join(out, "dalle", "samples", "step-00000002.png"))
     gen = ["--dalle_path", export, "--text", "a red circle", "--num_images", "2", "--quiet", "--device", "cpu"]
@@ -399,7 +400,7 @@ def test_train_and_generate_with_a_vqgan(tmp_path, capsys):
         assert json.load(f)["pretrained_tokenizer"] == record
     os.remove(moved)  # convert copies the run's record and never reads the tokenizer's weights
     converted = convert(step_dirs(os.path.join(out, "dalle", "checkpoints"))[0], str(tmp_path / "converted.pt"))
-    assert torch.load(converted, weights_only=True)["vae"] == record
+    assert safe_load(converted)["vae"] == record
 
 
 @pytest.mark.e2e
@@ -414,7 +415,7 @@ def test_train_and_generate_with_openai_dvae(tmp_path):
     export = train_dalle.main(
         [*TRAIN, "--openai_vae_path", directory, "--pretrained_image_size", "16", "--output_dir", out]
     )
-    record = torch.load(export, weights_only=True)["vae"]
+    record = safe_load(export)["vae"]
     assert record["kind"] == "openai" and record["config"]["vocab_size"] == 64
     gen = ["--dalle_path", export, "--text", "a blue square", "--num_images", "1", "--quiet", "--device", "cpu"]
     (folder,) = generate.main([*gen, "--outputs_dir", str(tmp_path / "out")])
