@@ -55,6 +55,11 @@ class TrainConfig:
     initial_scale_power: int = flag(16, "fp16 dynamic loss scale starts at 2**N")
     loss_scale_window: int = flag(1000, "fp16: steps without overflow before the loss scale grows")
     # outputs
+    hooks: str = flag(
+        "",
+        "your code in the loop: MODULE:CLASS or path/to/file.py:CLASS (comma-separated), a subclass of "
+        "dalle_pytorch.training.hooks.Hooks (examples/hooks/early_stopping.py)",
+    )
     dist_timeout: float = flag(
         300.0,
         "seconds a collective waits for every rank (and the ranks for each other at start) before the job stops "

@@ -19,6 +19,7 @@ from distributed import Workload
 
 from .batches import ShardedSampler, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
+from .hooks import HookContext, HookList, load_hooks
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
 from .schedules import lr_factor
@@ -42,6 +43,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
             "stream them: use a caption folder (or export the shards to one) or a fixed number of workers"
         )
     total = total_steps(cfg, task.dataset, backend.world_size)
+    user_hooks = load_hooks(cfg.hooks)  # before anything trains: a hook that cannot load says so first
     if cfg.checkpoint_activations:
         enable_activation_checkpointing(task)
     if cfg.compile:
@@ -58,7 +60,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
     )
     pos = resume(cfg.resume, backend, run)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step (or the next), save, exit
-        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop)
+        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     return pos
@@ -77,6 +79,7 @@ class Parts:
     scheduler: object
     total: int  # steps of the run
     stop: StopFlag
+    hooks: list  # the user's (--hooks)
 
 
 def train_steps(parts: Parts, pos: Position) -> Position:
@@ -94,14 +97,20 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     data = batches(task.dataset, cfg, backend, pos)
     window = MetricWindow(backend, task, run, cfg, total)
     vote = StopVote(parts.stop, backend)
+    ctx = HookContext(task.name, backend.rank, backend.world_size, backend.is_main, run.path, total, task.model)
+    ctx._stop = parts.stop
+    hooks = HookList(parts.hooks, ctx)
     grace = GraceCheck(run.print, backend.is_main)
     bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
     model.train()
+    hooks.on_start(pos.step)
     if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
         t0 = time.perf_counter()
-        save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+        saved = save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
         grace.saved(time.perf_counter() - t0)
+        hooks.on_save(0, saved)
     while pos.step < total:
+        hooks.before_step(pos.step)
         for micro in range(accum):
             batch = task.prepare_batch(next(data), backend.device)
             with backend.accumulate(model, sync=micro == accum - 1):
@@ -113,29 +122,42 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         pos.step += 1
         if bar is not None:
             bar.update(1)
-        stopping = vote()  # SIGTERM on any rank, agreed on by all: save and exit, whatever --log_every is
-        if pos.step % cfg.log_every == 0 or pos.step == total or stopping:
-            row = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
-            grace.stepped(row["seconds_per_step"])
-            if not math.isfinite(row["loss"]) and cfg.precision != "fp16":
-                raise FloatingPointError(
-                    f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
-                )
+        hooks.after_step(pos.step)
+        logging = pos.step % cfg.log_every == 0 or pos.step == total
+        if logging:
+            log_window(parts, window, grace, hooks, pos, result, bar)
+        # SIGTERM (or a hook's request, made above) on any rank, agreed on by all: save and exit
+        stopping = vote()
+        if stopping and not logging:
+            log_window(parts, window, grace, hooks, pos, result, bar)
         if cfg.sample_every and pos.step % cfg.sample_every == 0:
             write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
         if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
             t0 = time.perf_counter()
-            save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+            saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
             grace.saved(time.perf_counter() - t0)
+            hooks.on_save(pos.step, saved)
             export(task, model, backend, run)
         if stopping:
-            run.print(f"SIGTERM: saved a checkpoint at step {pos.step}; resume with --resume auto")
+            run.print(f"{parts.stop.reason}: saved a checkpoint at step {pos.step}; resume with --resume auto")
             break
         parts.recovery.commit(pos)
     vote.close()
+    hooks.on_end(pos.step)
     if bar is not None:
         bar.close()
     return pos
+
+
+def log_window(parts: Parts, window: MetricWindow, grace, hooks, pos: Position, result, bar) -> None:
+    """The metrics since the last log: written, shown to the hooks, and a non-finite loss stops the run."""
+    row = window.flush(pos, result, parts.scheduler.get_last_lr()[0], bar)
+    grace.stepped(row["seconds_per_step"])
+    hooks.on_log(pos.step, row)
+    if not math.isfinite(row["loss"]) and parts.cfg.precision != "fp16":
+        raise FloatingPointError(
+            f"loss is {row['loss']} at step {pos.step}: lower --learning_rate or use --clip_grad_norm"
+        )
 
 
 def enable_activation_checkpointing(task: Task) -> None:

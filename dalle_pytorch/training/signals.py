@@ -12,15 +12,21 @@ import torch
 
 
 class StopFlag:
+    """Set by SIGTERM, or by a hook's request (training/hooks.py); `reason` says which, for the log."""
+
     def __init__(self):
         self.set = False
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        self.set, self.reason = True, self.reason or reason
 
     def __enter__(self) -> StopFlag:
         self._old = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, *_):
-        self.set = True
+        self.request("SIGTERM")
 
     def __exit__(self, *exc) -> None:
         signal.signal(signal.SIGTERM, self._old)

@@ -330,3 +330,26 @@ def test_config_yaml_relaunches_the_run(vae_path, tmp_path):
         safe_load(str(run / "dalle.safetensors"))["weights"],
         safe_load(str(tmp_path / "b" / "dalle" / "dalle.safetensors"))["weights"],
     )
+
+
+def test_hooks_run_on_every_rank_and_stop_them_together(vae_path, tmp_path):
+    """--hooks under torchrun: the early stopping example (and a hook that notes its rank) runs on both ranks,
+    which stop at the same step with a checkpoint and the export."""
+    (tmp_path / "note.py").write_text(
+        "import os\nfrom dalle_pytorch.training.hooks import Hooks\n\nclass Note(Hooks):\n"
+        "    def on_end(self, ctx, step):\n"
+        "        open(os.path.join(ctx.run_dir, f'end-{ctx.rank}-of-{ctx.world_size}'), 'w').write(str(step))\n"
+    )
+    hooks = f"{ROOT}/examples/hooks/early_stopping.py:EarlyStopping,{tmp_path / 'note.py'}:Note"
+    args = dalle_args(vae_path, str(tmp_path), 4, steps=40, extra=["--hooks", hooks, "--log_every", "2"])
+    os.environ.update(EARLY_STOPPING_PATIENCE="1", EARLY_STOPPING_MIN_DELTA="1e9")
+    try:
+        launch("torchrun", "train_dalle.py", args)
+    finally:
+        del os.environ["EARLY_STOPPING_PATIENCE"], os.environ["EARLY_STOPPING_MIN_DELTA"]
+    run = tmp_path / "dalle"
+    ends = [(run / f"end-{r}-of-2").read_text() for r in (0, 1)]
+    assert ends == ["5", "5"], ends  # asked at the second log (step 4), stopped after step 5 on both
+    assert "early stopping: loss" in (run / "train.log").read_text()
+    assert os.path.basename(step_dirs(str(run / "checkpoints"))[0]) == "step-00000005"
+    assert (run / "dalle.safetensors").exists()

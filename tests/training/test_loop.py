@@ -4,7 +4,9 @@ fork + Gloo (no launcher). The trainers' tests (test_trainers.py) run the same l
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 
 import pytest
 import torch
@@ -196,3 +198,83 @@ def test_a_save_that_cannot_fit_in_slurms_grace_period_is_said_once(monkeypatch)
     outside = signals.GraceCheck(lines.append, is_main=True, env={})
     outside.saved(100.0), outside.stepped(100.0)
     assert len(lines) == 1
+
+
+RECORDER = """
+from dalle_pytorch.training.hooks import Hooks
+
+class Recorder(Hooks):
+    events = []
+
+    def on_start(self, ctx, step):
+        self.events.append(("start", step, ctx.rank, ctx.world_size, ctx.task))
+
+    def before_step(self, ctx, step):
+        self.events.append(("before", step))
+
+    def after_step(self, ctx, step):
+        self.events.append(("after", step))
+
+    def on_log(self, ctx, step, row):
+        self.events.append(("log", step, round(row["loss"], 6) > 0))
+
+    def on_save(self, ctx, step, path):
+        self.events.append(("save", step, path.endswith(f"step-{step:08d}")))
+
+    def on_end(self, ctx, step):
+        self.events.append(("end", step))
+"""
+
+
+def test_hooks_see_every_event_in_order(tmp_path, monkeypatch):
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import recorder
+
+    fit(
+        config(tmp_path, steps=4, log_every=2, save_every_n_steps=4, hooks="recorder:Recorder"),
+        FakeTask(str(tmp_path / "x.pt")),
+    )
+    steps = [e for e in recorder.Recorder.events if e[0] in ("before", "after")]
+    assert recorder.Recorder.events[0] == ("start", 0, 0, 1, "fake")
+    assert steps == [(w, s) for k in range(4) for w, s in (("before", k), ("after", k + 1))]
+    assert [e for e in recorder.Recorder.events if e[0] in ("log", "save", "end")] == [
+        ("save", 0, True), ("log", 2, True), ("log", 4, True), ("save", 4, True), ("end", 4)
+    ]  # fmt: skip
+
+
+def test_the_early_stopping_example_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    """examples/hooks/early_stopping.py as a user names it: by its file. The first log (step 2) sets the best;
+    no later one improves on it by 1e9, so with patience 2 it asks to stop at the third log (step 6), where
+    the process stops."""
+    from helpers import ROOT
+
+    monkeypatch.setenv("EARLY_STOPPING_PATIENCE", "2")
+    monkeypatch.setenv("EARLY_STOPPING_MIN_DELTA", "1e9")
+    spec = os.path.join(ROOT, "examples", "hooks", "early_stopping.py") + ":EarlyStopping"
+    cfg = config(tmp_path, steps=20, log_every=2, save_every_n_steps=100, hooks=spec)
+    pos, _ = fit(cfg, FakeTask(str(tmp_path / "x.pt")))
+    assert pos.step == 6 and os.path.exists(tmp_path / "x.pt")
+    assert os.path.basename(step_dirs(str(tmp_path / "run" / "checkpoints"))[0]) == "step-00000006"
+    assert "early stopping: loss" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "source,spec,message",
+    [
+        ("", "nowhere_module:X", "cannot import nowhere_module (ModuleNotFoundError"),
+        ("class A: pass\n", "hk:B", "hk has no class B"),
+        ("from dalle_pytorch.training.hooks import Hooks\nclass A(Hooks):\n    def on_logs(self, ctx, s, r): pass\n",
+         "hk:A", "on_logs is no hook"),
+        ("class A:\n    def on_log(self, ctx, s, r): pass\n", "hk:A", "A lacks on_start, before_step"),
+        ("", "hk", "expected MODULE:CLASS"),
+    ],
+)  # fmt: skip
+def test_a_hook_that_cannot_load_says_so_before_training(tmp_path, monkeypatch, source, spec, message):
+    (tmp_path / "hk.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hk", raising=False)  # each case's own module
+    task = FakeTask(str(tmp_path / "x.pt"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fit(config(tmp_path, hooks=spec), task)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
