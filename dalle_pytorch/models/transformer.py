@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -154,16 +155,14 @@ class Attention(nn.Module):
         self.k_norm = nn.LayerNorm(dim_head) if qk_norm else nn.Identity()
 
     def _qkv(self, x: torch.Tensor, angles: torch.Tensor | None):
-        b, m, _ = x.shape
-        q, k, v = self.to_qkv(x).view(b, m, 3, self.heads, self.dim_head).permute(2, 0, 3, 1, 4)  # (b, h, m, d)
+        q, k, v = rearrange(self.to_qkv(x), "b m (three h d) -> three b h m d", three=3, h=self.heads)
         q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         return q, k, v
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
-        b, _, m, _ = out.shape  # (b, h, m, d)
-        return self.to_out(out.transpose(1, 2).reshape(b, m, -1))
+        return self.to_out(rearrange(out, "b h m d -> b m (h d)"))
 
     def forward(self, x, mask, angles, cache: LayerCache | None = None, layout: SparseLayout | None = None):
         """Positions 0..m-1 of x (b, m, dim); with a cache, their keys and values are stored for decoding.
