@@ -3,17 +3,22 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install install-cluster demo test test-fast test-launchers test-cluster test-all lint format clean
+.PHONY: install install-cluster lock demo test test-fast test-launchers test-cluster test-all lint format clean
 
 install: $(VENV)/.installed
 
 # Reruns only when the pins or the installer change; the installer itself skips what is already there.
-$(VENV)/.installed: requirements.txt scripts/install.sh
+$(VENV)/.installed: requirements.lock scripts/install.sh
 	bash scripts/install.sh
 
 # The cluster tests' system packages (SLURM, munge, OpenSSH, Open MPI) and mpi4py: root and apt.
 install-cluster: install
 	bash scripts/install_cluster.sh
+
+# requirements.lock from requirements.txt's pins: every package CI installs, at one version (uv's resolver)
+lock: install
+	$(VENV)/bin/uv pip compile requirements.txt --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		-o requirements.lock -q --custom-compile-command "make lock"
 
 demo: install
 	$(PY) scripts/demo.py

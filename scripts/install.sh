@@ -61,12 +61,13 @@ if ! have youtokentome==$YTTM_VERSION; then
   "$PIP" install -q --no-build-isolation youtokentome==$YTTM_VERSION
 fi
 
-CURRENT_STEP="requirements.txt"; HINT="read the pip error above; a package pin in requirements.txt may be unavailable from your index"
+# requirements.lock: every package at the version CI runs, made from requirements.txt by `make lock` (uv)
+CURRENT_STEP="requirements.lock"; HINT="read the pip error above; a pin in requirements.lock may be unavailable from your index (make lock remakes it from requirements.txt)"
 if ! "$VPY" -c "import deepspeed, webdataset, einops, tokenizers, tqdm, safetensors, pytest, PIL" 2>/dev/null \
-   || [ requirements.txt -nt "$VENV/.requirements-installed" ]; then
+   || [ requirements.lock -nt "$VENV/.requirements-installed" ]; then
   step "$CURRENT_STEP (deepspeed with DS_BUILD_OPS=0: ops are JIT-built when first used)"
   export DS_BUILD_OPS=0
-  "$PIP" install -q -r requirements.txt
+  "$PIP" install -q -r requirements.lock
   touch "$VENV/.requirements-installed"
 fi
 

@@ -36,3 +36,21 @@ def test_the_wheel_holds_the_packages_scripts_and_entry_points(tmp_path):
     assert not any(n.startswith("tests/") for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "dalle-train = train_dalle:main" in zipfile.ZipFile(tmp_path / wheel).read(entry).decode()
+
+
+def test_the_lock_file_holds_every_pin_of_requirements_txt():
+    """make install installs requirements.lock (every package, one version: `make lock` makes it with uv from
+    requirements.txt); a pin changed in requirements.txt without `make lock` would not be installed."""
+
+    def pins(name):
+        out = {}
+        for line in open(os.path.join(ROOT, name)):
+            line = line.split("#")[0].strip()
+            if "==" in line:
+                package, version = line.split("==")
+                out[package.strip().lower().replace("_", "-")] = version.strip()
+        return out
+
+    locked = pins("requirements.lock")
+    stale = {p: v for p, v in pins("requirements.txt").items() if locked.get(p) != v}
+    assert not stale, f"requirements.lock is behind requirements.txt for {stale}: run `make lock`"
