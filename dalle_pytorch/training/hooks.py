@@ -32,7 +32,7 @@ class HookContext:
     run_dir: str
     total_steps: int
     model: object = None  # the user's module, unwrapped (under ZeRO-3 / FSDP its parameters are shards)
-    _stop: object = field(default=None, repr=False)  # the loop's StopFlag
+    _stop: object = field(default=None, repr=False)  # the loop's StopFlag, set by HookList
 
     def request_stop(self, reason: str) -> None:
         """Stop after this step (one process) or the next (several: the ranks' vote is read a step late, as for
@@ -120,8 +120,9 @@ def _check(cls, item: str):
 class HookList:
     """The loop's view: one call per event, to every hook in order."""
 
-    def __init__(self, hooks: list[Hooks], ctx: HookContext):
+    def __init__(self, hooks: list[Hooks], ctx: HookContext, stop):
         self.hooks, self.ctx = hooks, ctx
+        ctx._stop = stop  # request_stop sets the flag SIGTERM sets: the same vote stops every rank
 
     def __getattr__(self, event: str):
         if event not in HOOK_METHODS:

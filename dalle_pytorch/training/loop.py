@@ -98,8 +98,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     window = MetricWindow(backend, task, run, cfg, total)
     vote = StopVote(parts.stop, backend)
     ctx = HookContext(task.name, backend.rank, backend.world_size, backend.is_main, run.path, total, task.model)
-    ctx._stop = parts.stop
-    hooks = HookList(parts.hooks, ctx)
+    hooks = HookList(parts.hooks, ctx, parts.stop)
     grace = GraceCheck(run.print, backend.is_main)
     bar = progress(total, pos.step, not cfg.quiet and backend.is_main)
     model.train()
