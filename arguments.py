@@ -55,6 +55,13 @@ class TrainConfig:
     initial_scale_power: int = flag(16, "fp16 dynamic loss scale starts at 2**N")
     loss_scale_window: int = flag(1000, "fp16: steps without overflow before the loss scale grows")
     # outputs
+    val_every: int = flag(0, "validation loss every N steps (0: none); held-out samples: see --val_fraction")
+    val_batches: int = flag(8, "validation batches per rank each time (--batch_size samples each)")
+    val_fraction: float = flag(
+        0.0,
+        "hold out this fraction of the training samples for validation (without a validation folder; the built-in "
+        "data draws samples of its own)",
+    )
     hooks: str = flag(
         "",
         "your code in the loop: MODULE:CLASS or path/to/file.py:CLASS (comma-separated), a subclass of "
@@ -140,6 +147,7 @@ class CaptionDataConfig:
     wds: str = flag(
         "", "image and caption keys of WebDataset shards, e.g. jpg,txt: --image_text_folder holds the shard URLs"
     )
+    val_image_text_folder: str = flag("", "validation pairs (x.jpg + x.txt), read every --val_every steps")
     resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
 
 
@@ -167,6 +175,7 @@ class VAERunConfig:
         "", "folder of images (searched recursively), or WebDataset shard URLs with --wds; empty: the built-in dataset"
     )
     wds: str = flag("", "image key of WebDataset shards (e.g. jpg): --image_folder then holds the shard URLs")
+    val_image_folder: str = flag("", "validation images, read every --val_every steps")
     resize_ratio: float = flag(1.0, "random resized crop keeps at least this fraction of the image (1: no crop)")
     starting_temp: float = flag(1.0, "Gumbel-softmax temperature at step 0")
     temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")

@@ -13,11 +13,14 @@ from ..models.clip import CLIP
 class CLIPTask:
     name = "clip"
 
-    def __init__(self, clip: CLIP, tokenizer: Tokenizer, dataset, export_path: str, gather, num_fixed: int = 16):
+    def __init__(
+        self, clip: CLIP, tokenizer: Tokenizer, dataset, export_path: str, gather, num_fixed: int = 16, val_dataset=None
+    ):
         """`dataset` yields (image, caption ids) (data.tokenized); `gather(x) -> (every rank's x, offset)`."""
         self.model = clip
         self.tokenizer = tokenizer
         self.dataset = dataset
+        self.val_dataset = val_dataset  # held-out (image, caption ids), or None: no validation
         self.export_path = export_path
         self.gather = gather
         grid = clip.cfg.image_size // clip.cfg.patch_size

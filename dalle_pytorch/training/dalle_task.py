@@ -25,6 +25,7 @@ class DALLETask:
         export_path: str,
         sample_captions: list[str],
         seed: int = 0,
+        val_dataset=None,
     ):
         """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed."""
         self.model = dalle
@@ -32,6 +33,7 @@ class DALLETask:
         self.vae_export = vae_export
         self.tokenizer = tokenizer
         self.dataset = dataset
+        self.val_dataset = val_dataset  # held-out (image, caption ids), or None: no validation
         self.export_path = export_path
         self.tokens_per_sample = dalle.cfg.seq_len
         self.sample_captions = sample_captions

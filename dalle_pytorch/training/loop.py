@@ -25,6 +25,7 @@ from .run_dir import RunDir, progress
 from .schedules import lr_factor
 from .signals import GraceCheck, StopFlag, StopVote
 from .task import Task
+from .validation import validate
 
 
 @dataclass
@@ -125,7 +126,12 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         logging = pos.step % cfg.log_every == 0 or pos.step == total
         if logging:
             log_window(parts, window, grace, hooks, pos, result, bar)
-        # SIGTERM (or a hook's request, made above) on any rank, agreed on by all: save and exit
+        if cfg.val_every and pos.step % cfg.val_every == 0 and getattr(task, "val_dataset", None) is not None:
+            results = validate(task, model, backend, cfg, pos.step)
+            run.log_metrics(pos.step, results)
+            run.print(f"step {pos.step} validation " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            hooks.on_evaluation(pos.step, results)
+        # SIGTERM (or a hook's request, made above on a log or evaluation) on any rank, agreed on by all
         stopping = vote()
         if stopping and not logging:
             log_window(parts, window, grace, hooks, pos, result, bar)

@@ -30,6 +30,7 @@ from .image_tokenizer import (
 from .loop import train
 from .session import rank_dataset, shared_text_tokenizer, training_session
 from .vae_task import VAETask
+from .validation import held_out
 
 
 def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
@@ -41,6 +42,10 @@ def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
             captions=False, image_size=model_cfg.image_size, channels=model_cfg.channels,
             resize_ratio=run_cfg.resize_ratio,
         )  # fmt: skip
+        dataset, val = held_out(
+            cfg, backend, dataset, folder=run_cfg.val_image_folder, folder_flag="--val_image_folder", captions=False,
+            image_size=model_cfg.image_size, channels=model_cfg.channels, resize_ratio=1.0,
+        )  # fmt: skip
         # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
         anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
         task = VAETask(
@@ -48,6 +53,7 @@ def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
             dataset,
             run_cfg.vae_output or os.path.join(run.path, "vae.safetensors"),
             (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
+            val_dataset=val,
         )
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(dataset, "num_skipped", 0)
@@ -79,6 +85,10 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
             cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
             captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=run_cfg.resize_ratio,
         )  # fmt: skip
+        pairs, val_pairs = held_out(
+            cfg, backend, pairs, folder=run_cfg.val_image_text_folder, folder_flag="--val_image_text_folder",
+            captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=1.0,
+        )  # fmt: skip
         if start is None:
             tokenizer = shared_text_tokenizer(flags, cfg, backend, recovery, run, pairs)
             model_cfg = dataclasses.replace(
@@ -100,7 +110,10 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
         if run_cfg.precompute_tokens:
             dataset = precomputed(dataset, vae, vae_id, run, backend)
         export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.safetensors")
-        task = DALLETask(dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed)
+        val = tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None
+        task = DALLETask(
+            dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed, val_dataset=val
+        )
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)
         if skipped:
@@ -156,6 +169,10 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
             cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
             captions=True, image_size=size, channels=channels, resize_ratio=run_cfg.resize_ratio,
         )  # fmt: skip
+        pairs, val_pairs = held_out(
+            cfg, backend, pairs, folder=run_cfg.val_image_text_folder, folder_flag="--val_image_text_folder",
+            captions=True, image_size=size, channels=channels, resize_ratio=1.0,
+        )  # fmt: skip
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])
         else:
@@ -176,6 +193,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
             tokenized(pairs, tokenizer, model_cfg.text_seq_len),
             run_cfg.clip_output or os.path.join(run.path, "clip.safetensors"),
             gather=lambda x: (backend.all_gather(x), backend.rank * x.shape[0]),
+            val_dataset=tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None,
         )
         pos = train(task, cfg, backend, recovery, run)
         run.print(f"done at step {pos.step}: export {task.export_path}")

@@ -24,9 +24,11 @@ class VAETask:
         temperature: tuple[float, float, int, str],
         usage_window: int = 20,
         num_sample_images: int = 8,
+        val_dataset=None,
     ):
         self.model = vae
         self.dataset = dataset
+        self.val_dataset = val_dataset  # held-out images, or None: no validation
         self.export_path = export_path
         self.tokens_per_sample = vae.fmap_size**2  # image tokens per image, for tokens/s
         self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature

@@ -342,11 +342,12 @@ def test_hooks_run_on_every_rank_and_stop_them_together(vae_path, tmp_path):
     )
     hooks = f"{ROOT}/examples/hooks/early_stopping.py:EarlyStopping,{tmp_path / 'note.py'}:Note"
     args = dalle_args(vae_path, str(tmp_path), 4, steps=40, extra=["--hooks", hooks, "--log_every", "2"])
-    os.environ.update(EARLY_STOPPING_PATIENCE="1", EARLY_STOPPING_MIN_DELTA="1e9")
+    os.environ.update(EARLY_STOPPING_KEY="loss", EARLY_STOPPING_PATIENCE="1", EARLY_STOPPING_MIN_DELTA="1e9")
     try:
         launch("torchrun", "train_dalle.py", args)
     finally:
-        del os.environ["EARLY_STOPPING_PATIENCE"], os.environ["EARLY_STOPPING_MIN_DELTA"]
+        for key in ("EARLY_STOPPING_KEY", "EARLY_STOPPING_PATIENCE", "EARLY_STOPPING_MIN_DELTA"):
+            del os.environ[key]
     run = tmp_path / "dalle"
     ends = [(run / f"end-{r}-of-2").read_text() for r in (0, 1)]
     assert ends == ["5", "5"], ends  # asked at the second log (step 4), stopped after step 5 on both

@@ -32,6 +32,9 @@ class FakeTask:
         torch.manual_seed(1)
         self.model = nn.Linear(4, 1)
         self.dataset = torch.utils.data.TensorDataset(x, y)
+        xv = torch.randn(32, 4, generator=g)  # held out: the same law, other draws
+        yv = xv @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(32, 1, generator=g)
+        self.val_dataset = torch.utils.data.TensorDataset(xv, yv)
         self.export_path = export_path
         self.on_loss = on_loss
         self.samples_written: list[int] = []
@@ -249,6 +252,7 @@ def test_the_early_stopping_example_stops_the_run_with_a_checkpoint(tmp_path, mo
     the process stops."""
     from helpers import ROOT
 
+    monkeypatch.setenv("EARLY_STOPPING_KEY", "loss")
     monkeypatch.setenv("EARLY_STOPPING_PATIENCE", "2")
     monkeypatch.setenv("EARLY_STOPPING_MIN_DELTA", "1e9")
     spec = os.path.join(ROOT, "examples", "hooks", "early_stopping.py") + ":EarlyStopping"
@@ -278,3 +282,66 @@ def test_a_hook_that_cannot_load_says_so_before_training(tmp_path, monkeypatch, 
     with pytest.raises(ValueError, match=re.escape(message)):
         fit(config(tmp_path, hooks=spec), task)
     assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def _val_losses(run_dir):
+    import json
+
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
+def _fit_with_validation(rank, out):
+    cfg = config(out, distributed_backend="ddp", batch_size=8, val_every=2, val_batches=2)
+    fit(cfg, FakeTask(os.path.join(out, "fake.pt")))
+    return _val_losses(os.path.join(out, "run")) if rank == 0 else None
+
+
+def test_validation_loss_is_the_same_on_one_process_and_two_ranks(tmp_path):
+    """--val_every 2: the loss on the held-out samples, every 2 steps, in metrics.jsonl; 2 ranks x batch 8 see
+    the same 32 samples as 1 process x batch 16 and report the same loss (the mean over ranks)."""
+    cfg = config(tmp_path / "one", batch_size=16, val_every=2, val_batches=2)
+    fit(cfg, FakeTask(str(tmp_path / "one.pt")))
+    one = _val_losses(str(tmp_path / "one" / "run"))
+    assert sorted(one) == [2, 4, 6, 8] and one[8] < one[2]  # it learns the held-out law too
+    os.makedirs(tmp_path / "two")
+    two = on_ranks(2, _fit_with_validation, str(tmp_path / "two"))[0]
+    assert two.keys() == one.keys() and all(abs(two[s] - one[s]) < 1e-5 for s in one), (one, two)
+
+
+def test_held_out_samples_as_the_flags_say(tmp_path):
+    from dalle_pytorch.data.shapes import ShapesDataset
+    from dalle_pytorch.training.validation import held_out
+    from distributed import Topology, make_backend
+
+    backend = make_backend("single", Topology("none"))
+    data = ShapesDataset(100, 16)
+    kw = dict(folder="", folder_flag="--val_image_text_folder", captions=True, image_size=16, channels=3,
+              resize_ratio=1.0)  # fmt: skip
+    assert held_out(config(tmp_path), backend, data, **kw) == (data, None)
+    train, val = held_out(config(tmp_path, val_every=5, val_fraction=0.2), backend, data, **kw)
+    assert (len(train), len(val)) == (80, 20) and not set(train.indices) & set(val.indices)
+    assert train.split == "train"  # still answers for the whole dataset
+    same, fresh = held_out(config(tmp_path, val_every=5, batch_size=4, val_batches=3), backend, data, **kw)
+    assert same is data and len(fresh) == 12 and fresh[0][1] != data[0][1]  # the built-in data: its own samples
+    for overrides, message in (
+        (dict(val_fraction=0.2), "--val_fraction is read every --val_every N steps"),
+        (dict(val_every=5, val_fraction=1.5), "--val_fraction must be between 0 and 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            held_out(config(tmp_path, **overrides), backend, data, **kw)
+    with pytest.raises(ValueError, match="--val_image_text_folder is read every"):
+        held_out(config(tmp_path), backend, data, **{**kw, "folder": str(tmp_path)})
+
+
+def test_early_stopping_on_the_validation_loss(tmp_path, monkeypatch):
+    """The example's default: val_loss, every --val_every steps. With a patience of 1 and no improvement of
+    1e9 possible, the second evaluation (step 4) asks to stop, and the process stops there."""
+    from helpers import ROOT
+
+    monkeypatch.setenv("EARLY_STOPPING_PATIENCE", "1")
+    monkeypatch.setenv("EARLY_STOPPING_MIN_DELTA", "1e9")
+    spec = os.path.join(ROOT, "examples", "hooks", "early_stopping.py") + ":EarlyStopping"
+    cfg = config(tmp_path, steps=20, val_every=2, val_batches=1, hooks=spec)
+    pos, _ = fit(cfg, FakeTask(str(tmp_path / "x.pt")))
+    assert pos.step == 4 and "early stopping: val_loss" in (tmp_path / "run" / "train.log").read_text()

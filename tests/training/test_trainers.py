@@ -1,6 +1,7 @@
 """The trainers end to end on one process: run directory, resume, checkpoint safety, user errors."""
 
 import json
+import math
 import os
 import pickle
 
@@ -445,3 +446,22 @@ def test_sparse_patterns_train_compiled_with_recomputation(vae_path, tmp_path):
     extra = ["--compile", "--checkpoint_activations", "--output_dir", str(tmp_path)]
     export = train_dalle.main([*tiny_dalle(vae_path), "--steps", "2", *SPARSE_ARGS, *extra])
     assert all(torch.isfinite(w).all() for w in safe_load(export)["weights"].values())
+
+
+def test_validation_during_training_on_every_trainer(vae_path, tmp_path):
+    """--val_every: the DALLE on held-out samples of the built-in data, the VAE on --val_fraction of an image
+    folder: val_* rows in metrics.jsonl at those steps."""
+    from dalle_pytorch.data.shapes_export import export_folder
+
+    val = ["--val_every", "2", "--val_batches", "1"]
+    train_dalle.main([*tiny_dalle(vae_path), "--steps", "4", "--output_dir", str(tmp_path / "d"), *val])
+    rows = [r for r in _metrics(tmp_path / "d" / "dalle") if "val_loss" in r]
+    assert [r["step"] for r in rows] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in rows)
+    assert "val_loss_img" in rows[0] or any(k.startswith("val_") and k != "val_loss" for k in rows[0])
+    folder = str(tmp_path / "images")
+    export_folder(folder, 40, 32, seed=3)
+    frac = ["--val_fraction", "0.25", "--batch_size", "4"]
+    train_vae.main(
+        [*TINY_VAE, "--image_folder", folder, "--steps", "2", "--output_dir", str(tmp_path / "v"), *val, *frac]
+    )
+    assert [r["step"] for r in _metrics(tmp_path / "v" / "vae") if "val_loss" in r] == [2]
