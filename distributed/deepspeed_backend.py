@@ -117,7 +117,7 @@ class DeepSpeedBackend(Backend):
         unlink_shm_buffer(self.rank)
 
     def teardown(self) -> None:
-        destroy_process_group()
+        destroy_process_group(self._collectives)
 
     def autocast(self):
         return contextlib.nullcontext()  # the engine applies bf16 / fp16 itself, from the config

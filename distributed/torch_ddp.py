@@ -16,7 +16,7 @@ class DDPBackend(Backend):
         self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
 
     def teardown(self) -> None:
-        destroy_process_group()
+        destroy_process_group(self._collectives)
 
     def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         ids = [self.device.index] if self.device.type == "cuda" else None

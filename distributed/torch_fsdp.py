@@ -38,7 +38,7 @@ class FSDPBackend(Backend):
         self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
 
     def teardown(self) -> None:
-        destroy_process_group()
+        destroy_process_group(self._collectives)
 
     def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         model = model.to(self.device)

@@ -170,6 +170,11 @@ class ProcessGroup:
     def explain(self, error):
         return self._heartbeat.explain(error) if self._heartbeat else None
 
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+
 
 def export_launcher_env(topo) -> None:
     """env:// lets torchrun hand over its own store (and a fresh one after a restart); SLURM and mpirun only
@@ -197,7 +202,11 @@ def init_process_group(topo, device: torch.device, timeout_s: float) -> ProcessG
     return ProcessGroup(topo.world_size, device, timeout_s)
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(collectives=None) -> None:
+    """Leave the process group; first stop the heartbeat of `collectives` (a ProcessGroup), whose thread must
+    not reach the store while the group is torn down (an abort, 'terminate called', exit -6)."""
+    if isinstance(collectives, ProcessGroup):
+        collectives.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

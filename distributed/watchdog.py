@@ -32,7 +32,9 @@ class Heartbeat:
                 return
 
     def close(self) -> None:
+        """Stop beating and wait for the thread (at most one store call long), before the store goes away."""
         self._stop.set()
+        self._thread.join(timeout=10)
 
     def explain(self, error: BaseException) -> str | None:
         """One line naming the ranks that stopped answering when `error` is a collective's timeout or a lost
