@@ -31,7 +31,7 @@ class Ranks:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self._group = ProcessGroup(world_size)
+        self._group = ProcessGroup(world_size)  # its vote group, apart from the gradients' (as in training)
 
     def all_reduce_async(self, tensor, op="sum"):
         return self._group.all_reduce_async(tensor, op)
