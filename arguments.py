@@ -47,6 +47,11 @@ class TrainConfig:
         False,
         "recompute each transformer block in backward: activations of one block instead of all, ~1/3 more compute",
     )
+    ema: float = flag(
+        0.0,
+        "keep an exponential moving average of the weights with this decay (e.g. 0.999; 0: none), sharded like "
+        "the weights, checkpointed, exported beside them and used by generate.py and the evaluation",
+    )
     seed: int = flag(42, "random seed (data order, initialization, sampling)")
     # distribution
     distributed_backend: str = flag("auto", "auto picks from the launcher", choices=BACKENDS)
@@ -96,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"--learning_rate must be positive (got {self.learning_rate})")
         if self.clip_grad_norm < 0:
             raise ValueError(f"--clip_grad_norm must be >= 0 (got {self.clip_grad_norm})")
+        if self.ema and not 0 < self.ema < 1:
+            raise ValueError(f"--ema must be a decay between 0 and 1, e.g. 0.999 (got {self.ema:g}); 0 turns it off")
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist_timeout must be a positive number of seconds (got {self.dist_timeout:g})")
 

@@ -61,8 +61,36 @@ class Stepper(Protocol):
 
 
 class Checkpointer(Protocol):
-    def save(self, directory: str, state: dict) -> None: ...
+    def save(self, directory: str, state: dict, extra: dict | None = None) -> None: ...
     def load(self, directory: str) -> dict: ...
+
+
+class Weights:
+    """Each parameter's fp32 weights as this rank holds and steps them, by name: live tensors that every
+    optimizer step updates in place. A replicated backend (one process, DDP, Horovod) holds every tensor whole;
+    FSDP a DTensor shard of each (fsdp's FSDPWeights), DeepSpeed's ZeRO a flat fragment of its fp32 master copy
+    (deepspeed_backend's ZeROWeights). A copy of each in the same layout (an EMA of the weights) is therefore
+    sharded exactly as the weights are, and the two methods below checkpoint and export such copies."""
+
+    def __init__(self, local: dict[str, torch.Tensor], is_main: bool):
+        self.local, self.is_main = local, is_main
+
+    def current(self) -> list[torch.Tensor]:
+        """The weights now, as plain local tensors in `local`'s order."""
+        return self.plain(self.local)
+
+    def plain(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The local tensors (views) of `tensors`, in `local`'s order, for in-place foreach arithmetic."""
+        return [tensors[k] for k in self.local]
+
+    def checkpointable(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Collective: `tensors` (in `local`'s layout) as torch.distributed.checkpoint saves them and loads
+        into them in place, keyed by parameter name in full shapes, so they reshard like the weights."""
+        return tensors
+
+    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Collective: `tensors` whole, on the CPU, on rank 0 (None elsewhere), for an export."""
+        return {k: v.detach().cpu().clone() for k, v in tensors.items()} if self.is_main else None
 
 
 class Local:
@@ -189,13 +217,25 @@ class Backend:
         return self._collectives.explain(error)
 
     # ---------------------------------------------------------------- checkpoints (collective)
-    def save_checkpoint(self, directory: str, state: dict) -> None:
-        """Write model, optimizer, scheduler, loss scaler, RNG states and `state` into `directory`, shard-wise."""
-        self._checkpointer.save(directory, state)
+    def save_checkpoint(self, directory: str, state: dict, extra: dict | None = None) -> None:
+        """Write model, optimizer, scheduler, loss scaler, RNG states and `state` into `directory`, shard-wise;
+        `extra`: named sets of tensors in the layout of weights() (made checkpointable), written beside them."""
+        self._checkpointer.save(directory, state, extra)
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore what save_checkpoint wrote (at any world size, from any backend); returns the saved `state`."""
         return self._checkpointer.load(directory)
+
+    def load_extra(self, directory: str, extra: dict) -> list[str]:
+        """Collective: read the sets of `extra` (name -> checkpointable tensors, loaded in place) that the
+        checkpoint in `directory` holds, resharded; returns the names it held."""
+        from .checkpoint_io import load_extra
+
+        return load_extra(directory, extra)
+
+    def weights(self, model) -> Weights:
+        """The fp32 weights this rank steps, as live tensors in the backend's own sharding (after prepare())."""
+        return Weights({n: p.detach() for n, p in self._unwrap(model).named_parameters()}, self.is_main)
 
     def full_state_dict(self, model) -> dict | None:
         """Unsharded weights (CPU tensors) on rank 0, None elsewhere, for the export. Collective."""
@@ -209,6 +249,10 @@ class Recovery:
     from its last commit after workers were lost or added; the loop calls commit() after every step."""
 
     world_size_may_change = False
+
+    def track(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Tensors the loop keeps beside the model (the EMA), which an elastic recovery rolls back with the
+        model and hands to joining workers; call before drive()."""
 
     def drive(self, steps, pos):
         return steps(pos)

@@ -76,6 +76,22 @@ def _plain(x):
     return x
 
 
+def load_extra(directory: str, extra: dict) -> list[str]:
+    """Collective where a process group exists (each rank reads alone otherwise): load the sets of `extra` that
+    the checkpoint's dcp/ folder holds into their tensors, in place; returns the names of those it held."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(directory, "dcp")
+    if not os.path.isdir(path):
+        return []
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    held = [name for name in extra if any(k.startswith(name + ".") for k in keys)]
+    if held:
+        dcp.load({name: extra[name] for name in held}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    return held
+
+
 def read_dcp_weights(ckpt_dir: str) -> dict | None:
     """Full model weights (CPU, fp32) of the DCP copy every backend writes, without a process group, or None
     when the checkpoint has no dcp/ folder."""

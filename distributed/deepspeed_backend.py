@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-from .base import Backend, StepOptions, StepResult, Workload
+from .base import Backend, StepOptions, StepResult, Weights, Workload
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
 from .deepspeed_config import (
     DeepSpeedOptions,
@@ -33,7 +33,7 @@ from .deepspeed_config import (
     offloads,
     read_user_config,
 )
-from .deepspeed_portable import group_names, has_state, sharded_state_dict
+from .deepspeed_portable import checkpointable, group_names, has_state, local_weights, sharded_state_dict
 from .deepspeed_portable import load as load_portable
 from .topology import Topology
 from .torch_parts import ProcessGroup, destroy_process_group, export_launcher_env
@@ -89,6 +89,34 @@ class EngineStepper:
     def loss_scale(self) -> float:
         opt = self.engine.optimizer
         return float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
+
+
+class ZeROWeights(Weights):
+    """The fp32 weights the engine's optimizer steps: for a ZeRO-partitioned parameter the flat fragment this
+    rank holds (none on some ranks), written as a ShardedTensor in the portable layout; whole tensors otherwise
+    (stage 0). Read again each time (an offloaded ZeRO-3 partition comes back as a copy on the device)."""
+
+    def __init__(self, module, engine_optimizer, rank: int, is_main: bool):
+        self._module, self._optimizer, self._rank = module, engine_optimizer, rank
+        local, self._layout = local_weights(module, engine_optimizer)
+        super().__init__(local, is_main)
+
+    def current(self):
+        return list(local_weights(self._module, self._optimizer)[0].values())
+
+    def checkpointable(self, tensors):
+        return checkpointable(tensors, self._layout, self._rank)
+
+    def full(self, tensors):
+        full = {}
+        for name, t in self.checkpointable(tensors).items():  # the same order on every rank
+            if isinstance(t, torch.Tensor) and not hasattr(t, "local_shards"):
+                full[name] = t.detach().float().cpu().clone()
+                continue
+            out = torch.empty(t.size()) if self.is_main else None
+            t.gather(dst=0, out=out)  # collective over the default group
+            full[name] = out
+        return full if self.is_main else None
 
 
 class DeepSpeedBackend(Backend):
@@ -201,6 +229,9 @@ class DeepSpeedBackend(Backend):
         with GatheredParameters(list(module.parameters()), modifier_rank=None, enabled=self._zero_stage == 3):
             yield module
 
+    def weights(self, model) -> ZeROWeights:
+        return ZeROWeights(self._unwrap(model), model.optimizer, self.rank, self.is_main)
+
     def full_state_dict(self, model):
         module = self._unwrap(model)
         with self.full_params(model):
@@ -224,12 +255,13 @@ class DeepSpeedCheckpointer:
         """What DeepSpeed's own checkpoint needs to match to be loadable."""
         return {"world_size": self.backend.world_size, "zero_stage": self.zero_stage}
 
-    def save(self, directory: str, state: dict) -> None:
+    def save(self, directory: str, state: dict, extra: dict | None = None) -> None:
         b, engine = self.backend, self.engine
         engine.save_checkpoint(directory, tag=TAG, client_state={"state": state}, save_latest=False)
         with_optimizer = has_state(engine.optimizer)
         module = b._unwrap(engine)
         shards = sharded_state_dict(module, engine.optimizer, self.group_names, with_optimizer, b.rank)
+        shards.update(extra or {})
         # collective over the default process group: each rank writes the fragments it holds to its own file
         dcp.save(shards, checkpoint_id=os.path.join(directory, "dcp"))
         if b.is_main:

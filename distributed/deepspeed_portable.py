@@ -195,6 +195,33 @@ def sharded_state_dict(module, engine_optimizer, names: list[list[str]], with_op
     return {"model": model_sd, "optimizer": {"state": state, "param_groups": _named_groups(base, names)}}
 
 
+def local_weights(module, engine_optimizer) -> tuple[dict, dict]:
+    """(name -> the fp32 weights this rank steps, as live flat fragments or whole tensors; name -> (full shape,
+    first flat index) for partitioned parameters, None for whole ones). A partitioned parameter of which this
+    rank steps nothing has a layout entry but no weights."""
+    masters = _masters(engine_optimizer)
+    local, layout = {}, {}
+    for name, p in module.named_parameters():
+        if _partitioned(p):
+            found = _local_fragment(p)
+            layout[name] = (_full_shape(p), found[0] if found else 0)
+            if found:
+                local[name] = found[1]
+        else:
+            src, offset = masters.get(id(p), (p, 0))
+            layout[name], local[name] = None, _view(src, offset, p)
+    return local, layout
+
+
+def checkpointable(tensors: dict, layout: dict, rank: int) -> dict:
+    """Collective: tensors in local_weights' layout as DCP saves and loads them in place (ShardedTensors of
+    each rank's fragments, plain tensors for whole parameters), by name in full shapes."""
+    return {
+        name: tensors[name] if where is None else _sharded(where[0], where[1], tensors.get(name), rank)
+        for name, where in layout.items()
+    }
+
+
 def _named_groups(base, names: list[list[str]]) -> list[dict]:
     """The optimizer's param groups as get_optimizer_state_dict writes them: hyperparameters and names."""
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": n} for g, n in zip(base.param_groups, names)]

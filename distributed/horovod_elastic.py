@@ -28,9 +28,9 @@ class ElasticState(State):
     """Model, optimizer, scheduler and loss scaler (the HorovodBackend's TorchStepper) and the loop position,
     committed together. `backend`: the HorovodBackend whose ranks change and whose optimizer state it creates."""
 
-    def __init__(self, backend, stepper: TorchStepper, pos):
+    def __init__(self, backend, stepper: TorchStepper, pos, tracked: dict):
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.backend, self.stepper, self.pos = backend, stepper, pos
+        self.backend, self.stepper, self.pos, self.tracked = backend, stepper, pos, tracked
         self.save()
 
     def _module(self):
@@ -45,6 +45,7 @@ class ElasticState(State):
                 "scheduler": s.scheduler.state_dict(),
                 "scaler": s.scaler.state_dict(),
                 "pos": dataclasses.asdict(self.pos),
+                "tracked": self.tracked,
             }
         )
 
@@ -54,6 +55,8 @@ class ElasticState(State):
         s.optimizer.load_state_dict(self._saved["optimizer"])  # Horovod's also drops pending allreduces
         s.scheduler.load_state_dict(self._saved["scheduler"])
         s.scaler.load_state_dict(self._saved["scaler"])
+        for k, v in self.tracked.items():
+            v.copy_(self._saved["tracked"][k])
         for k, v in self._saved["pos"].items():
             setattr(self.pos, k, v)  # the loop holds this object
 
@@ -82,6 +85,7 @@ class ElasticState(State):
             groups = hvd.broadcast_object(hyper)
             for g, saved in zip(s.optimizer.param_groups, groups):
                 g.update(saved)
+        hvd.broadcast_parameters(self.tracked, root_rank=0)  # the EMA: a joiner's began at its own weights
         hvd.broadcast_parameters(self._module().state_dict(), root_rank=0)  # weights last
         rest = {
             "scheduler": s.scheduler.state_dict(),
@@ -125,10 +129,13 @@ class ElasticRecovery:
 
     def __init__(self, backend, commit_every: int):
         self.backend, self.commit_every = backend, commit_every
-        self._state = None
+        self._state, self._tracked = None, {}
+
+    def track(self, tensors: dict) -> None:
+        self._tracked.update(tensors)
 
     def drive(self, steps, pos):
-        self._state = ElasticState(self.backend, self.backend._stepper, pos)
+        self._state = ElasticState(self.backend, self.backend._stepper, pos, self._tracked)
         self.backend._joining = False
 
         return run_fn(lambda state: steps(state.pos), self.backend._reform_ring)(self._state)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .base import Backend, Workload
+from .base import Backend, Weights, Workload
 from .torch_parts import destroy_process_group, init_process_group, torch_parts
 
 
@@ -28,6 +28,18 @@ def _check_unshared(blocks: nn.ModuleList) -> None:
                 "(--shared_attn_ids, --shared_ff_ids): use --distributed_backend ddp, deepspeed or horovod"
             )
         seen |= mine
+
+
+class FSDPWeights(Weights):
+    """FSDP2's parameters are DTensors, each rank holding a shard of dim 0: the weights are those DTensors, whose
+    local shards foreach arithmetic updates, which DCP saves and reshards, and which full_tensor() gathers."""
+
+    def plain(self, tensors):
+        return [tensors[k].to_local() for k in self.local]
+
+    def full(self, tensors):
+        full = {k: v.full_tensor().cpu() for k, v in tensors.items()}  # collective, in the same order on every rank
+        return full if self.is_main else None
 
 
 class FSDPBackend(Backend):
@@ -75,6 +87,9 @@ class FSDPBackend(Backend):
                 m.reshard()
             for m in blocks:
                 m.set_reshard_after_forward(True, recurse=False)
+
+    def weights(self, model) -> FSDPWeights:
+        return FSDPWeights({n: p.detach() for n, p in model.named_parameters()}, self.is_main)
 
     def full_state_dict(self, model):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -90,8 +90,8 @@ class TorchCheckpointer:
     def _dcp(self, directory: str) -> dict:
         return {"checkpoint_id": os.path.join(directory, "dcp"), "no_dist": not dist.is_initialized()}
 
-    def save(self, directory: str, state: dict) -> None:
-        to_save = {"model": get_model_state_dict(self.model)}
+    def save(self, directory: str, state: dict, extra: dict | None = None) -> None:
+        to_save = {"model": get_model_state_dict(self.model), **(extra or {})}
         # before the first step the optimizer has no state, and get_optimizer_state_dict would create it
         # by running optimizer.step() on zero gradients, which moves the weights (weight decay, Adam's step)
         has_optimizer_state = len(self.optimizer.state) > 0

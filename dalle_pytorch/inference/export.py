@@ -16,12 +16,30 @@ from ..files import atomic_save, safe_load
 EXPORT_FORMAT_VERSION = 1
 
 
-def save_export(path: str, kind: str, config: dict, weights: dict, **extra) -> None:
+WEIGHTS = ("auto", "ema", "raw")  # which weights of an export a reader uses (export_weights)
+
+
+def save_export(path: str, kind: str, config: dict, weights: dict, ema: dict | None = None, **extra) -> None:
     """safetensors for a .safetensors path (the trainers' default), torch's weights-only pickle otherwise; the
-    same content either way: tuples are written as lists, as JSON (and so safetensors' metadata) has them."""
+    same content either way: tuples are written as lists, as JSON (and so safetensors' metadata) has them.
+    `ema`: {"decay", "weights"} of a run with --ema (its parameters), stored beside the raw weights."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     export = {"format_version": EXPORT_FORMAT_VERSION, "kind": kind, "config": config, "weights": weights, **extra}
+    if ema is not None:
+        export["ema"] = ema
     atomic_save(_lists(export), path)
+
+
+def export_weights(obj: dict, which: str = "auto", path: str = "the export") -> dict:
+    """The state dict of an export to load: with `which` 'auto', the moving average of the weights where the run
+    kept one (--ema), else the raw weights; 'ema' insists on the average, 'raw' takes the last step's weights."""
+    if which not in WEIGHTS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)} (got {which!r})")
+    if which == "raw" or which == "auto" and "ema" not in obj:
+        return obj["weights"]
+    if "ema" not in obj:
+        raise ValueError(f"--weights ema: {path} holds no EMA (train with --ema DECAY), use --weights raw or auto")
+    return {**obj["weights"], **obj["ema"]["weights"]}  # the average covers the parameters; buffers are raw
 
 
 def _lists(node):

@@ -6,15 +6,16 @@ from __future__ import annotations
 from ..data.tokenizer import tokenizer_from_dict
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
-from .export import load_export
+from .export import export_weights, load_export
 
 
 def vae_from_export(obj: dict) -> DiscreteVAE:
-    """The frozen, eval-mode VAE of an export's dict (a vae.pt, or the `vae` entry of a dalle.pt)."""
+    """The frozen, eval-mode VAE of an export's dict (a vae.pt, or the `vae` entry of a dalle.pt), with its
+    moving average of the weights where it has one: the same weights wherever the export is read."""
     cfg = dict(obj["config"])
     cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
     vae = DiscreteVAE(VAEConfig(**cfg))
-    vae.load_state_dict(obj["weights"])
+    vae.load_state_dict(export_weights(obj))
     return vae.eval().requires_grad_(False)
 
 
@@ -25,14 +26,19 @@ def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
 
 
 def load_dalle(
-    path: str, device="cpu", vqgan_model_path: str = "", openai_vae_path: str = "", predecessor: dict | None = None
+    path: str,
+    device="cpu",
+    vqgan_model_path: str = "",
+    openai_vae_path: str = "",
+    predecessor: dict | None = None,
+    weights: str = "auto",
 ):
     """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`. A pretrained image tokenizer is
     read again from the files the export records, or from the given paths if they moved. `predecessor`: how
-    to read a predecessor's checkpoint (load_export)."""
+    to read a predecessor's checkpoint (load_export). `weights`: auto (the EMA where the run kept one), ema, raw."""
     obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, predecessor)
     dalle = DALLE(DALLEConfig(**obj["config"]))
-    dalle.load_state_dict(obj["weights"])
+    dalle.load_state_dict(export_weights(obj, weights, path))
     return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
 
 
@@ -56,10 +62,11 @@ def read_dalle(
 
 
 def load_clip(path: str, device="cpu"):
-    """(clip, tokenizer) from a CLIP export written by train_clip.py, in eval mode on `device`."""
+    """(clip, tokenizer) from a CLIP export written by train_clip.py, in eval mode on `device` (its EMA where it
+    has one)."""
     from ..models.clip import CLIP, CLIPConfig
 
     obj = load_export(path, "clip")
     clip = CLIP(CLIPConfig(**obj["config"]))
-    clip.load_state_dict(obj["weights"])
+    clip.load_state_dict(export_weights(obj, "auto", path))
     return clip.eval().to(device), tokenizer_from_dict(obj["tokenizer"])

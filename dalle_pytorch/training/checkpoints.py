@@ -25,15 +25,16 @@ def step_dirs(root: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(found, reverse=True)]
 
 
-def save_checkpoint(backend, root: str, step: int, state: dict, keep: int) -> str:
-    """Collective: write a resume checkpoint for `step` atomically, then prune to the newest `keep`."""
+def save_checkpoint(backend, root: str, step: int, state: dict, keep: int, extra: dict | None = None) -> str:
+    """Collective: write a resume checkpoint for `step` atomically, then prune to the newest `keep`; `extra`:
+    tensors beside the weights (the EMA), as backend.save_checkpoint takes them."""
     final = os.path.join(root, f"step-{step:08d}")
     tmp = final + ".tmp"
     if backend.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     backend.barrier()
-    backend.save_checkpoint(tmp, state)
+    backend.save_checkpoint(tmp, state, extra)
     backend.barrier()
     if backend.is_main:
         with open(os.path.join(tmp, COMPLETE), "w") as f:

@@ -65,5 +65,7 @@ class CLIPTask:
         with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
             f.write(f"step {step}: text -> image retrieval among {len(best)} pairs {accuracy:.0%}\n" + "\n".join(lines))
 
-    def export(self, weights):
-        save_export(self.export_path, "clip", self.model.cfg.to_dict(), weights, tokenizer=self.tokenizer.to_dict())
+    def export(self, weights, ema=None):
+        save_export(
+            self.export_path, "clip", self.model.cfg.to_dict(), weights, ema=ema, tokenizer=self.tokenizer.to_dict()
+        )

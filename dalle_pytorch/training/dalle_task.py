@@ -79,12 +79,13 @@ class DALLETask:
         with open(path.rsplit(".", 1)[0] + ".txt", "w") as f:
             f.write("\n".join(self.sample_captions) + "\n")
 
-    def export(self, weights):
+    def export(self, weights, ema=None):
         save_export(
             self.export_path,
             "dalle",
             self.model.cfg.to_dict(),
             weights,
+            ema=ema,
             vae=self.vae_export,
             tokenizer=self.tokenizer.to_dict(),
         )

@@ -19,6 +19,7 @@ from distributed import Workload
 
 from .batches import ShardedSampler, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
+from .ema import EMA
 from .hooks import HookContext, HookList, load_hooks
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
@@ -59,9 +60,12 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
         ),
         Workload(micro_batch=cfg.batch_size, activation_bytes=task.activation_bytes(cfg.batch_size)),
     )
-    pos = resume(cfg.resume, backend, run)
+    ema = EMA(cfg.ema, backend.weights(model)) if cfg.ema else None
+    pos = resume(cfg.resume, backend, run, ema)
+    if ema is not None:
+        recovery.track(ema.average)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step (or the next), save, exit
-        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks)
+        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks, ema)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     return pos
@@ -81,6 +85,7 @@ class Parts:
     total: int  # steps of the run
     stop: StopFlag
     hooks: list  # the user's (--hooks)
+    ema: EMA | None  # --ema
 
 
 def train_steps(parts: Parts, pos: Position) -> Position:
@@ -106,7 +111,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     hooks.on_start(pos.step)
     if pos.step == 0 and cfg.save_every_n_steps:  # a checkpoint before training starts catches setup bugs early
         t0 = time.perf_counter()
-        saved = save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints)
+        saved = save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints, extra(parts))
         grace.saved(time.perf_counter() - t0)
         hooks.on_save(0, saved)
     while pos.step < total:
@@ -119,6 +124,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
                 backend.backward(loss)
             window.add(loss, metrics)
         result = backend.step()
+        if parts.ema is not None:
+            parts.ema.update(pos.step)
         pos.step += 1
         if bar is not None:
             bar.update(1)
@@ -139,10 +146,10 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
         if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
             t0 = time.perf_counter()
-            saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints)
+            saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints, extra(parts))
             grace.saved(time.perf_counter() - t0)
             hooks.on_save(pos.step, saved)
-            export(task, model, backend, run)
+            export(task, model, backend, run, parts.ema)
         if stopping:
             run.print(f"{parts.stop.reason}: saved a checkpoint at step {pos.step}; resume with --resume auto")
             break
@@ -184,8 +191,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def resume(resume_flag: str, backend, run: RunDir) -> Position:
-    """The position of the checkpoint --resume names (or, for 'auto', the newest one that loads), else step 0."""
+def extra(parts: Parts) -> dict | None:
+    """What checkpoints hold beside the training state: the EMA (collective)."""
+    return parts.ema.checkpointable() if parts.ema is not None else None
+
+
+def resume(resume_flag: str, backend, run: RunDir, ema: EMA | None = None) -> Position:
+    """The position of the checkpoint --resume names (or, for 'auto', the newest one that loads), else step 0;
+    `ema` is read from it too, or restarts from the resumed weights where it holds none."""
     for candidate in resolve_resume(resume_flag, run.checkpoints):
         try:
             pos = Position(**backend.load_checkpoint(candidate))
@@ -193,6 +206,9 @@ def resume(resume_flag: str, backend, run: RunDir) -> Position:
             run.print(f"skipping checkpoint {candidate}: {e}")
             continue
         run.print(f"resumed from {candidate} at step {pos.step}")
+        if ema is not None and "ema" not in backend.load_extra(candidate, ema.checkpointable()):
+            ema.restart()
+            run.print(f"{candidate} holds no EMA (trained without --ema): the EMA starts from its weights")
         return pos
     if resume_flag and resume_flag != "auto":
         raise ValueError(f"--resume {resume_flag}: the checkpoint could not be loaded (see above)")
@@ -209,10 +225,11 @@ def write_samples(task: Task, model, backend, path: str, step: int, run) -> None
         run.log_image(step, "samples", path)
 
 
-def export(task: Task, model, backend, run) -> None:
+def export(task: Task, model, backend, run, ema: EMA | None = None) -> None:
     weights = backend.full_state_dict(model)  # collective: gathers shards on every rank
+    average = ema.export() if ema is not None else None  # collective too
     if backend.is_main:
-        task.export(weights)
+        task.export(weights, average)
         run.log_artifact(task.export_path)
     backend.barrier()
 

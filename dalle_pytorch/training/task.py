@@ -33,5 +33,6 @@ class Task(Protocol):
     def write_samples(self, model: nn.Module, step: int, path: str | None) -> None:
         """Called on every rank (sharded parameters are gathered collectively); writes `path` where not None."""
 
-    def export(self, weights: dict[str, torch.Tensor]) -> None:
-        """Rank 0: write `weights` (full, on the CPU) with the config to export_path."""
+    def export(self, weights: dict[str, torch.Tensor], ema: dict | None = None) -> None:
+        """Rank 0: write `weights` (full, on the CPU) with the config to export_path, and `ema` ({"decay",
+        "weights"}: the moving average of the parameters, --ema) beside them."""

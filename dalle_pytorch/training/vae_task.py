@@ -68,5 +68,5 @@ class VAETask:
     def activation_bytes(self, batch_size: int) -> float:
         return 0.0  # convolutional and small: the parameters decide the ZeRO stage
 
-    def export(self, weights):
-        save_export(self.export_path, "vae", self.model.cfg.to_dict(), weights)
+    def export(self, weights, ema=None):
+        save_export(self.export_path, "vae", self.model.cfg.to_dict(), weights, ema=ema)

@@ -58,8 +58,9 @@ class FakeTask:
     def write_samples(self, model, step, path):
         self.samples_written.append(step)
 
-    def export(self, weights):
+    def export(self, weights, ema=None):
         torch.save(weights, self.export_path)
+        self.ema_export = ema
 
 
 def config(tmp_path, **overrides) -> TrainConfig:
