@@ -72,8 +72,12 @@ class Weights:
     (deepspeed_backend's ZeROWeights). A copy of each in the same layout (an EMA of the weights) is therefore
     sharded exactly as the weights are, and the two methods below checkpoint and export such copies."""
 
-    def __init__(self, local: dict[str, torch.Tensor], is_main: bool):
-        self.local, self.is_main = local, is_main
+    def __init__(self, local: dict[str, torch.Tensor], backend: Backend):
+        self.local, self._backend = local, backend  # the backend's rank, which an elastic run changes
+
+    @property
+    def is_main(self) -> bool:
+        return self._backend.is_main
 
     def current(self) -> list[torch.Tensor]:
         """The weights now, as plain local tensors in `local`'s order."""
@@ -235,7 +239,7 @@ class Backend:
 
     def weights(self, model) -> Weights:
         """The fp32 weights this rank steps, as live tensors in the backend's own sharding (after prepare())."""
-        return Weights({n: p.detach() for n, p in self._unwrap(model).named_parameters()}, self.is_main)
+        return Weights({n: p.detach() for n, p in self._unwrap(model).named_parameters()}, self)
 
     def full_state_dict(self, model) -> dict | None:
         """Unsharded weights (CPU tensors) on rank 0, None elsewhere, for the export. Collective."""

@@ -96,16 +96,16 @@ class ZeROWeights(Weights):
     rank holds (none on some ranks), written as a ShardedTensor in the portable layout; whole tensors otherwise
     (stage 0). Read again each time (an offloaded ZeRO-3 partition comes back as a copy on the device)."""
 
-    def __init__(self, module, engine_optimizer, rank: int, is_main: bool):
-        self._module, self._optimizer, self._rank = module, engine_optimizer, rank
+    def __init__(self, module, engine_optimizer, backend):
+        self._module, self._optimizer = module, engine_optimizer
         local, self._layout = local_weights(module, engine_optimizer)
-        super().__init__(local, is_main)
+        super().__init__(local, backend)
 
     def current(self):
         return list(local_weights(self._module, self._optimizer)[0].values())
 
     def checkpointable(self, tensors):
-        return checkpointable(tensors, self._layout, self._rank)
+        return checkpointable(tensors, self._layout, self._backend.rank)
 
     def full(self, tensors):
         full = {}
@@ -230,7 +230,7 @@ class DeepSpeedBackend(Backend):
             yield module
 
     def weights(self, model) -> ZeROWeights:
-        return ZeROWeights(self._unwrap(model), model.optimizer, self.rank, self.is_main)
+        return ZeROWeights(self._unwrap(model), model.optimizer, self)
 
     def full_state_dict(self, model):
         module = self._unwrap(model)

@@ -101,10 +101,13 @@ class ElasticState(State):
         self.save()  # a failure before the next commit rolls back to this synchronized state
 
     def _check_replicas(self) -> None:
-        total = torch.stack([p.detach().double().sum() for p in self._module().parameters()]).sum().cpu()
-        sums = hvd.allgather(total.view(1))
-        if not torch.equal(sums, sums[:1].expand_as(sums)):
-            raise RuntimeError(f"elastic sync left the workers with different weights (sums {sums.tolist()})")
+        for what, tensors in (("weights", list(self._module().parameters())), ("EMA", list(self.tracked.values()))):
+            if not tensors:
+                continue
+            total = torch.stack([t.detach().double().sum() for t in tensors]).sum().cpu()
+            sums = hvd.allgather(total.view(1))
+            if not torch.equal(sums, sums[:1].expand_as(sums)):
+                raise RuntimeError(f"elastic sync left the workers with different {what} (sums {sums.tolist()})")
 
 
 def _on_cpu(obj):

@@ -89,7 +89,7 @@ class FSDPBackend(Backend):
                 m.set_reshard_after_forward(True, recurse=False)
 
     def weights(self, model) -> FSDPWeights:
-        return FSDPWeights({n: p.detach() for n, p in model.named_parameters()}, self.is_main)
+        return FSDPWeights({n: p.detach() for n, p in model.named_parameters()}, self)
 
     def full_state_dict(self, model):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -48,7 +48,7 @@ def evaluate_dalle(
     (`rerank.clip_path`), each caption gets `candidates` samples: the plain rate is over all of them, the
     reranked one over the `rerank.keep` that CLIP scores highest (DALL-E's reranking), and the fraction of
     captions with at least one fully right candidate (results.json, reranking.SPLIT_best_possible)."""
-    dalle, vae, tokenizer = load_dalle(dalle_path)
+    dalle, vae, tokenizer = load_dalle(dalle_path, weights=sampling.weights)
     clip, keep = None, rerank.keep
     if rerank.clip_path:
         clip, clip_tokenizer = load_reranker(rerank.clip_path, dalle_path, dalle, vae, tokenizer)

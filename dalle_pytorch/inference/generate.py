@@ -117,7 +117,7 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
         raise ValueError(f"--keep must be between 0 and --num_images {cfg.num_images} (got {rerank.keep})")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dalle, vae, tokenizer = load_dalle(
-        cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, old.how_to_read()
+        cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, old.how_to_read(), sampling.weights
     )
     dcfg = dalle.cfg
     options = sampling.token_options(dalle)

@@ -16,6 +16,7 @@ from ..compat.flags import top_k_arg, top_k_count
 from ..config import flag
 from ..models.clip import rank_by_clip
 from ..models.sampling import generate_image_tokens
+from .export import WEIGHTS
 from .fits import check_clip_fits, loaded_fit
 from .load import load_clip
 
@@ -32,6 +33,12 @@ class SamplingConfig:
     )
     top_p: float = flag(1.0, "nucleus sampling mass (1: off)")
     cond_scale: float = flag(1.0, "classifier-free guidance scale (1: off)")
+    weights: str = flag(
+        "auto",
+        "the DALLE's weights that sample: auto (the moving average where the run kept one with --ema, else the "
+        "raw weights), ema, or raw (the last step's)",
+        choices=WEIGHTS,
+    )
 
     def __post_init__(self):
         if self.temperature < 0:

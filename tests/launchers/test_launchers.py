@@ -354,3 +354,48 @@ def test_hooks_run_on_every_rank_and_stop_them_together(vae_path, tmp_path):
     assert "early stopping: loss" in (run / "train.log").read_text()
     assert os.path.basename(step_dirs(str(run / "checkpoints"))[0]) == "step-00000005"
     assert (run / "dalle.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def ema_reference(vae_path, tmp_path_factory):
+    """One process, the whole batch of 8, 4 steps, --ema 0.9: its export (raw weights and their average)."""
+    out = str(tmp_path_factory.mktemp("ema_ref"))
+    return safe_load(train_dalle.main(dalle_args(vae_path, out, 8, steps=4, extra=["--ema", "0.9"])))
+
+
+EMA_CASES = [
+    ("torchrun-fsdp", ["--distributed_backend", "fsdp"]),
+    ("deepspeed", ["--zero_stage", "2"]),
+    ("deepspeed", ["--zero_stage", "3"]),
+    ("horovod", []),
+]
+
+
+@pytest.mark.parametrize("kind,extra", EMA_CASES, ids=[f"{k}{'-' + e[-1] if e else ''}" for k, e in EMA_CASES])
+def test_ema_on_two_ranks_equals_one_process(kind, extra, vae_path, ema_reference, tmp_path):
+    """Each rank averages what it holds of the weights (FSDP's DTensor shards, ZeRO's fp32 fragments, Horovod's
+    whole replicas); gathered for the export, the average is the one process's."""
+    ref = ema_reference["ema"]["weights"]
+    with pytest.raises(AssertionError):  # the comparison tells the average from the weights it lags
+        assert_same(ref, {k: ema_reference["weights"][k] for k in ref})
+    launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, steps=4, extra=[*extra, "--ema", "0.9"]))
+    export = safe_load(str(tmp_path / "dalle" / "dalle.safetensors"))
+    assert export["ema"]["decay"] == 0.9
+    assert_same(ref, export["ema"]["weights"])
+
+
+@pytest.mark.launchers  # 30-65 s each: make test-launchers
+def test_ema_resumes_across_backends(vae_path, ema_reference, tmp_path):
+    """A 2-rank DDP checkpoint (the average as whole tensors) resumes under ZeRO-3 (fp32 fragments) and under
+    FSDP (DTensor shards): both reach the uninterrupted run's average."""
+    args = ["--ema", "0.9", "--keep_n_checkpoints", "5"]
+    launch("torchrun", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "ddp"), 4, steps=4, extra=args))
+    ref = ema_reference["ema"]["weights"]
+    assert_same(ref, safe_load(str(tmp_path / "ddp" / "dalle" / "dalle.safetensors"))["ema"]["weights"])
+    for name, extra in (("z3", ["--zero_stage", "3"]), ("fsdp", ["--distributed_backend", "fsdp"])):
+        kind = "deepspeed" if name == "z3" else "torchrun"
+        restart_from_step_2(tmp_path / "ddp" / "dalle", tmp_path / name / "dalle")
+        resumed = [*dalle_args(vae_path, str(tmp_path / name), 4, steps=4, extra=[*args, *extra]), "--resume", "auto"]
+        out = launch(kind, "train_dalle.py", resumed)
+        assert "step-00000002 at step 2" in out and "holds no EMA" not in out
+        assert_same(ref, safe_load(str(tmp_path / name / "dalle" / "dalle.safetensors"))["ema"]["weights"])
