@@ -221,6 +221,7 @@ def test_the_backend_interface_is_narrow():
         *("all_reduce", "all_reduce_async", "all_gather", "barrier"),  # collectives, on every rank
         "explain",  # which ranks stopped answering, when a collective timed out
         *("save_checkpoint", "load_checkpoint", "full_state_dict", "full_params"),  # state, sharded or whole
+        *("weights", "load_extra"),  # the weights as this rank holds them, and what is kept in their layout (EMA)
         *("is_main", "rank", "world_size", "topo", "device", "name"),  # where this process stands
     }
     backend = make_backend("single", Topology("none"), StepOptions())

@@ -95,11 +95,11 @@ def test_readers_take_the_average_unless_told_otherwise():
 
 def test_generate_samples_the_average(tmp_path):
     """train_dalle.py --ema exports the average; generate.py uses it (--weights raw: the last step's)."""
+    from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
+
     import generate
     import train_dalle
     import train_vae
-    from helpers import TINY_DALLE_MODEL, TINY_VAE_MODEL
-
     from dalle_pytorch.files import safe_load
     from dalle_pytorch.inference.load import load_dalle
 
