@@ -20,6 +20,7 @@ import deepspeed
 import torch
 import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .base import Backend, StepOptions, StepResult, Weights, Workload
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
@@ -110,7 +111,7 @@ class ZeROWeights(Weights):
     def full(self, tensors):
         full = {}
         for name, t in self.checkpointable(tensors).items():  # the same order on every rank
-            if isinstance(t, torch.Tensor) and not hasattr(t, "local_shards"):
+            if not isinstance(t, ShardedTensor):  # a whole parameter (stage 0)
                 full[name] = t.detach().float().cpu().clone()
                 continue
             out = torch.empty(t.size()) if self.is_main else None

@@ -34,13 +34,16 @@ class EMA:
     @torch.no_grad()
     def update(self, step: int) -> None:
         """After optimizer step `step` (0 for the first): average += (1 - decay) * (weights - average)."""
-        current = [w.to(a.device) for w, a in zip(self.weights.current(), self._average)]
-        torch._foreach_lerp_(self._average, current, 1.0 - ema_decay(step, self.decay))
+        torch._foreach_lerp_(self._average, self._current(), 1.0 - ema_decay(step, self.decay))
 
     @torch.no_grad()
     def restart(self) -> None:
         """Start again from the weights as they are (a checkpoint resumed without an average)."""
-        torch._foreach_copy_(self._average, [w.to(a.device) for w, a in zip(self.weights.current(), self._average)])
+        torch._foreach_copy_(self._average, self._current())
+
+    def _current(self) -> list[torch.Tensor]:
+        """The weights now, where the average is (an offloaded ZeRO-3 partition is read back to the device)."""
+        return [w.to(a.device) for w, a in zip(self.weights.current(), self._average)]
 
     def checkpointable(self) -> dict:
         """Collective: {"ema": the average as the checkpoint writes and reads it}."""
