@@ -226,6 +226,11 @@ class DALLERunConfig(CaptionDataConfig, TextTokenizerConfig):
         False, "run the VAE over the data once before training (cached as RUN_DIR/tokens.pt; fixed crops)"
     )
     sample_captions: list = flag(DEFAULT_SAMPLE_CAPTIONS, "captions drawn in the sample grids")
+    val_heldout_captions: int = flag(
+        16,
+        "built-in data: each validation (--val_every) also generates images for N captions of colour-shape pairs "
+        "never trained on and reads them back with the parser (val_heldout_full, val_heldout_color, ...); 0: none",
+    )
 
 
 @dataclass

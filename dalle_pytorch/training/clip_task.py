@@ -48,6 +48,9 @@ class CLIPTask:
     def window_metrics(self) -> dict:
         return {}
 
+    def val_scores(self, whole_model, rank, world_size) -> dict:
+        return {}
+
     @torch.no_grad()
     def write_samples(self, model, step, path):
         """For fixed training pairs: which image each caption retrieves among them (a text file)."""

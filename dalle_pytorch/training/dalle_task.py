@@ -6,10 +6,14 @@ from __future__ import annotations
 import torch
 from torchvision.utils import save_image
 
+from ..data.shapes import ShapesDataset
 from ..data.tokenizer import Tokenizer
+from ..eval.parse import ATTRIBUTES, parse_image, score
 from ..inference.export import save_export
 from ..models.dalle import DALLE
 from ..models.sampling import generate_image_tokens
+
+HELDOUT_TEMPERATURE = 0.3  # the demo's and the README's sampling: sharper than the model, fewer malformed shapes
 
 
 class DALLETask:
@@ -26,8 +30,10 @@ class DALLETask:
         sample_captions: list[str],
         seed: int = 0,
         val_dataset=None,
+        heldout: ShapesDataset | None = None,
     ):
-        """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed."""
+        """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed;
+        `heldout`: built-in scenes of colour-shape pairs never trained on, generated and parsed at validation."""
         self.model = dalle
         self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
         self.vae_export = vae_export
@@ -38,6 +44,7 @@ class DALLETask:
         self.tokens_per_sample = dalle.cfg.seq_len
         self.sample_captions = sample_captions
         self.seed = seed
+        self.heldout = heldout
 
     def activation_bytes(self, batch_size: int) -> float:
         """~34 x tokens x dim bytes per layer in 16-bit (Korthikanti et al. 2022, without recomputation),
@@ -63,6 +70,23 @@ class DALLETask:
 
     def window_metrics(self) -> dict:
         return {"truncated_captions": self.dataset.truncated.value}
+
+    @torch.no_grad()
+    def val_scores(self, whole_model, rank, world_size) -> dict:
+        """The built-in data's held-out captions (this rank's equal share), generated and read back by the
+        parser: the fraction fully right (heldout_full) and right in each attribute. The same captions and
+        seed every time, so the curve moves with the model only."""
+        if self.heldout is None:
+            return {}
+        share = range(rank, len(self.heldout) // world_size * world_size, world_size)
+        with whole_model() as model:
+            device = next(model.parameters()).device
+            text, _ = self.tokenizer.tokenize([self.heldout.caption(i) for i in share], model.cfg.text_seq_len)
+            g = torch.Generator(device).manual_seed(self.seed)
+            tokens = generate_image_tokens(model, text.to(device), temperature=HELDOUT_TEMPERATURE, generator=g)
+        images = self.vae.decode(tokens).float().cpu()
+        scores = [score(self.heldout.scene(i), parse_image(image)) for i, image in zip(share, images)]
+        return {f"heldout_{k}": torch.tensor(sum(s[k] for s in scores) / len(scores)) for k in ("full", *ATTRIBUTES)}
 
     @torch.no_grad()
     def write_samples(self, model, step, path):

@@ -30,6 +30,12 @@ class Task(Protocol):
     def window_metrics(self) -> dict[str, float]:
         """Metrics over the recent window, logged with the step's (codebook usage, truncated captions)."""
 
+    def val_scores(self, whole_model, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+        """Scores beside the validation loss that need the whole model (generated images read back): this
+        rank's mean over its equal share; {} for none. Called on every rank; `whole_model()` is a collective
+        context giving the unwrapped module in eval mode with every parameter gathered (enter it on every
+        rank, or on none)."""
+
     def write_samples(self, model: nn.Module, step: int, path: str | None) -> None:
         """Called on every rank (sharded parameters are gathered collectively); writes `path` where not None."""
 

@@ -30,7 +30,7 @@ from .image_tokenizer import (
 from .loop import train
 from .session import rank_dataset, shared_text_tokenizer, training_session
 from .vae_task import VAETask
-from .validation import held_out
+from .validation import held_out, heldout_scenes
 
 
 def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
@@ -85,6 +85,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
             cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
             captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=run_cfg.resize_ratio,
         )  # fmt: skip
+        heldout = heldout_scenes(pairs, run_cfg.val_heldout_captions, cfg, backend)
         pairs, val_pairs = held_out(
             cfg, backend, pairs, folder=run_cfg.val_image_text_folder, folder_flag="--val_image_text_folder",
             captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=1.0,
@@ -112,8 +113,9 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
         export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.safetensors")
         val = tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None
         task = DALLETask(
-            dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed, val_dataset=val
-        )
+            dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed,
+            val_dataset=val, heldout=heldout,
+        )  # fmt: skip
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)
         if skipped:

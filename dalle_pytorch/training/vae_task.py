@@ -57,6 +57,9 @@ class VAETask:
         stats = codebook_stats(torch.cat([c.flatten() for c in self._codes]), self.model.num_tokens)
         return {"temperature": self._last_tau, **{k: v.item() for k, v in stats.items()}}
 
+    def val_scores(self, whole_model, rank, world_size) -> dict:
+        return {}
+
     @torch.no_grad()
     def write_samples(self, model, step, path):
         """Originals | hard reconstructions | soft reconstructions, one row each."""

@@ -3,9 +3,13 @@ averaged over the ranks, written to metrics.jsonl, TensorBoard and wandb as val_
 
 Where the held-out samples come from (held_out): a folder of their own (--val_image_text_folder, or
 --val_image_folder for the VAE), else the last --val_fraction of a seeded permutation of the training samples
-(removed from training), else, for the built-in data, samples drawn with another seed."""
+(removed from training), else, for the built-in data, samples drawn with another seed. For DALLE on the built-in
+data, images generated for a few captions of held-out colour-shape pairs are read back by the parser too
+(val_heldout_full: compositional generalization as it trains, the demo's headline figure)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -57,9 +61,21 @@ def held_out(cfg, backend, dataset, *, folder: str, folder_flag: str, captions: 
     raise ValueError(f"--val_every needs held-out samples: {folder_flag} or --val_fraction")
 
 
+def heldout_scenes(dataset, captions: int, cfg, backend) -> ShapesDataset | None:
+    """For DALLE on the built-in data with --val_every: `captions` (rounded down to a multiple of the ranks, at
+    least one per rank) scenes of the held-out split, whose colour-shape pairs training never shows; else None."""
+    if captions < 0:
+        raise ValueError(f"--val_heldout_captions must be >= 0 (got {captions})")
+    if not (cfg.val_every and captions and isinstance(dataset, ShapesDataset)):
+        return None
+    n = max(1, captions // backend.world_size) * backend.world_size
+    return ShapesDataset(n, dataset.image_size, seed=dataset.seed + 2, split="heldout")
+
+
 def validate(task, model, backend, cfg, step: int) -> dict:
     """The mean loss and metrics over the first --val_batches batches of each rank's share of the validation
-    samples (every rank runs as many batches, as sharded models' forward passes need), averaged over ranks."""
+    samples (every rank runs as many batches, as sharded models' forward passes need), and the task's
+    val_scores (generated images parsed, on the built-in data), averaged over ranks."""
     val = task.val_dataset
     per_rank = min(cfg.val_batches * cfg.batch_size, len(val) // backend.world_size // cfg.batch_size * cfg.batch_size)
     if per_rank == 0:
@@ -75,6 +91,19 @@ def validate(task, model, backend, cfg, step: int) -> dict:
             for k, v in {"loss": loss, **metrics}.items():
                 sums[k] = sums.get(k, 0) + v.detach().float()
     model.train()
-    names = sorted(sums)
-    means = backend.all_reduce(torch.stack([sums[k] / len(loader) for k in names]), op="mean").tolist()
-    return {f"val_{k}": v for k, v in zip(names, means)}
+    means = {k: v / len(loader) for k, v in sums.items()}
+    means.update(task.val_scores(lambda: _whole(backend, model), backend.rank, backend.world_size))
+    names = sorted(means)
+    means = backend.all_reduce(torch.stack([means[k].to(backend.device).float() for k in names]), op="mean")
+    return {f"val_{k}": v for k, v in zip(names, means.tolist())}
+
+
+@contextlib.contextmanager
+def _whole(backend, model):
+    """Collective: the unwrapped module, every parameter gathered, in eval mode for the block."""
+    with backend.full_params(model) as module:
+        module.eval()
+        try:
+            yield module
+        finally:
+            module.train()

@@ -374,14 +374,19 @@ EMA_CASES = [
 @pytest.mark.parametrize("kind,extra", EMA_CASES, ids=[f"{k}{'-' + e[-1] if e else ''}" for k, e in EMA_CASES])
 def test_ema_on_two_ranks_equals_one_process(kind, extra, vae_path, ema_reference, tmp_path):
     """Each rank averages what it holds of the weights (FSDP's DTensor shards, ZeRO's fp32 fragments, Horovod's
-    whole replicas); gathered for the export, the average is the one process's."""
+    whole replicas); gathered for the export, the average is the one process's. Validation at the last step
+    (the loss, and images generated for held-out captions with the parameters gathered) runs on every rank."""
     ref = ema_reference["ema"]["weights"]
     with pytest.raises(AssertionError):  # the comparison tells the average from the weights it lags
         assert_same(ref, {k: ema_reference["weights"][k] for k in ref})
-    launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, steps=4, extra=[*extra, "--ema", "0.9"]))
+    val = ["--val_every", "4", "--val_batches", "1"]  # and validation with generation, on every rank, at the end
+    args = dalle_args(vae_path, str(tmp_path), 4, steps=4, extra=[*extra, "--ema", "0.9", *val])
+    launch(kind, "train_dalle.py", args)
     export = safe_load(str(tmp_path / "dalle" / "dalle.safetensors"))
     assert export["ema"]["decay"] == 0.9
     assert_same(ref, export["ema"]["weights"])
+    rows = [json.loads(line) for line in open(tmp_path / "dalle" / "metrics.jsonl") if "val_loss" in line]
+    assert [r["step"] for r in rows] == [4] and 0 <= rows[0]["val_heldout_full"] <= rows[0]["val_heldout_shape"] <= 1
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers

@@ -449,8 +449,8 @@ def test_sparse_patterns_train_compiled_with_recomputation(vae_path, tmp_path):
 
 
 def test_validation_during_training_on_every_trainer(vae_path, tmp_path):
-    """--val_every: the DALLE on held-out samples of the built-in data, the VAE on --val_fraction of an image
-    folder: val_* rows in metrics.jsonl at those steps."""
+    """--val_every: the DALLE on held-out samples of the built-in data (and the parser on images generated for
+    held-out captions), the VAE on --val_fraction of an image folder: val_* rows in metrics.jsonl at those steps."""
     from dalle_pytorch.data.shapes_export import export_folder
 
     val = ["--val_every", "2", "--val_batches", "1"]
@@ -458,6 +458,8 @@ def test_validation_during_training_on_every_trainer(vae_path, tmp_path):
     rows = [r for r in _metrics(tmp_path / "d" / "dalle") if "val_loss" in r]
     assert [r["step"] for r in rows] == [2, 4] and all(math.isfinite(r["val_loss"]) for r in rows)
     assert "val_loss_img" in rows[0] or any(k.startswith("val_") and k != "val_loss" for k in rows[0])
+    # the built-in data: 16 held-out captions generated and parsed (tests/training/test_heldout_scores.py)
+    assert all(0 <= r["val_heldout_full"] <= r["val_heldout_color"] <= 1 for r in rows)
     folder = str(tmp_path / "images")
     export_folder(folder, 40, 32, seed=3)
     frac = ["--val_fraction", "0.25", "--batch_size", "4"]
