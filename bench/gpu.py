@@ -27,6 +27,7 @@ import time
 import traceback
 
 import torch
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,7 +35,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from common import matmul_flops, matmul_params, sync  # noqa: E402
 
+from dalle_pytorch.models import flex  # noqa: E402
 from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
+from dalle_pytorch.models.flex import FlexLayout  # noqa: E402
 from dalle_pytorch.models.sampling import generate_image_tokens  # noqa: E402
 from dalle_pytorch.models.sparse_attention import SparseLayout, sparse_attention  # noqa: E402
 from dalle_pytorch.models.transformer import ATTN_TYPES, attention_mask  # noqa: E402
@@ -269,36 +272,52 @@ def sampling(device, cpu: bool) -> str:
 
 def attention_patterns(device, cpu: bool) -> str:
     """One attention layer (batch 8, 16 heads of 64, text 256 + image 32x32, bf16), forward + backward: each
-    sparse pattern's speed against full causal attention (SDPA's fused kernel), after checking it equals SDPA
-    with the dense mask."""
+    sparse pattern's speed against full causal attention (SDPA's fused kernel), after checking its outputs and
+    gradients against SDPA with the dense mask. On CUDA the patterns run through FlexAttention (flex.py), with
+    128-wide tiles and, for axial_row, narrower key tiles too; on the CPU through the fused pieces."""
     text_len, fmap, batch, heads = (8, 4, 2, 2) if cpu else (256, 32, 8, 16)
     dtype = torch.float32 if cpu else torch.bfloat16
     n = text_len + fmap * fmap
     q, k, v = (torch.randn(batch, heads, n, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    g = torch.randn(batch, heads, n, 64, device=device, dtype=dtype)
 
     def timed(fn, repeats=10):
         for _ in range(2):
-            fn().sum().backward()
+            fn().backward(g)
         sync(device)
         t = time.perf_counter()
         for _ in range(repeats):
-            fn().sum().backward()
+            fn().backward(g)
         sync(device)
         return (time.perf_counter() - t) / repeats
 
-    full = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    def check(kind, got, want):
+        outs = [got(), want()]
+        grads = [torch.autograd.grad(o, (q, k, v), g) for o in outs]
+        for name, a, e in [("output", *outs), *zip(("dq", "dk", "dv"), *grads)]:
+            err = ((a.float() - e.float()).abs().max() / e.float().abs().max().clamp(min=1e-6)).item()
+            if err > (1e-5 if cpu else 2e-2):
+                raise AssertionError(f"{kind}: {name} differs from the dense mask's by {err:.1e} (relative to its max)")
+
+    full = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     out = []
     for kind in ATTN_TYPES[1:]:
         mask = attention_mask(kind, text_len, fmap).to(device)
         layout = SparseLayout(kind, mask.cpu(), text_len, fmap).to(device)
-        with torch.no_grad():
-            dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            err = (sparse_attention(q, k, v, layout) - dense).abs().max().item()
-        if err > (1e-5 if cpu else 3e-2):
-            raise AssertionError(f"{kind}: the sparse path differs from the dense mask by {err:.1e}")
-        t = timed(lambda lay=layout: sparse_attention(q, k, v, lay))
-        out.append(f"{kind} {full / t:.2f}x")
-    return f"vs full causal ({full * 1e3:.1f} ms): " + ", ".join(out)
+        tilings = {"": layout}
+        if kind == "axial_row" and layout.flex is not None:
+            for tiles in ((128, 64), (64, 64)):
+                variant = SparseLayout(kind, mask.cpu(), text_len, fmap)
+                variant.flex = FlexLayout(mask.cpu(), tiles)
+                tilings[f" tiles {tiles[0]}x{tiles[1]}"] = variant.to(device)
+        for label, lay in tilings.items():
+            dense = lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+            check(kind, lambda lay=lay: sparse_attention(q, k, v, lay), dense)
+            t = timed(lambda lay=lay: sparse_attention(q, k, v, lay))
+            computed = lay.flex.computed_fraction if lay.flex is not None else lay.computed_fraction
+            out.append(f"{kind}{label} {full / t:.2f}x ({computed:.0%} computed)")
+    path = "FlexAttention" if layout.flex is not None and device.type in flex.DEVICES else "fused pieces"
+    return f"{path}, outputs and gradients checked; vs full causal ({full * 1e3:.2f} ms): " + ", ".join(out)
 
 
 def main(argv=None):

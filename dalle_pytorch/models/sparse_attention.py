@@ -15,7 +15,8 @@ The text queries attend causally over the text.
 `SparseLayout` is built once per pattern from the dense boolean mask itself, and checks that its pieces
 cover exactly the mask's True entries, so this path computes the same function as SDPA with the mask
 (tests/models/test_sparse_attention.py compares outputs and gradients). It serves a whole sequence; a shorter
-prefix (generation's prefill of a partial sequence) and one-token decoding use the dense mask.
+prefix (generation's prefill of a partial sequence) and one-token decoding use the dense mask, except on
+CUDA, where FlexAttention serves the whole sequence and the decoding (flex.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from . import flex
 
 # how each pattern's image keys split into parts: (query grouping, which allowed image keys the part holds).
 # Half-row groups (16 queries) keep conv_like's gathered windows small: 3 rows x 20 columns instead of 3 x 32.
@@ -94,6 +97,7 @@ class SparseLayout(nn.Module):
         computed = (t0 + 1 + 1) * ni + sum(self.part(i)[3].numel() for i in range(self.num_parts))
         # the fraction of the n x n score matrix this path computes (text queries: causal over the text)
         self.computed_fraction = (computed + t0 * (t0 + 1) / 2) / (n * n)
+        self.flex = flex.FlexLayout(mask) if flex.available() else None  # the pattern's tiles, for CUDA
 
     def part(self, i: int):
         """(queries or None for identity order, inverse order, keys (g, w), allowed (g, s, w)) of part i."""
@@ -104,8 +108,11 @@ class SparseLayout(nn.Module):
 def sparse_attention(q, k, v, layout: SparseLayout, dropout: float = 0.0) -> torch.Tensor:
     """q, k, v (b, h, n, d) over the whole sequence -> (b, h, n, d), equal to SDPA with the pattern's mask.
 
-    On the CPU each piece runs in SDPA's fused flash kernel and the pieces merge by their log-sum-exps;
-    elsewhere (and with attention dropout, which that kernel lacks) they are plain batched matmuls."""
+    On CUDA, FlexAttention over the pattern's tiles (flex.py); on the CPU each piece runs in SDPA's fused flash
+    kernel and the pieces merge by their log-sum-exps; elsewhere (and with attention dropout, which neither
+    kernel has) they are plain batched matmuls."""
+    if flex.serves(q, layout.flex, dropout):
+        return flex.attend(q, k, v, layout.flex)
     if _fused_cpu(q, k, v) and not dropout:
         return _FlashPieces.apply(q, k, v, layout)
     return _sparse_attention_ops(q, k, v, layout, dropout)

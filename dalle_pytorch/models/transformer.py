@@ -16,6 +16,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import flex
 from .sparse_attention import SparseLayout, sparse_attention
 
 ATTN_TYPES = ("full", "axial_row", "axial_col", "conv_like", "sparse")
@@ -181,14 +182,17 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop)
         return self._out(out)
 
-    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor):
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout: SparseLayout | None = None):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim): write its key and value at `pos`, attend
         over the whole static buffer with mask row `pos`, which hides every key after it. No shape depends
-        on the position, so one compiled graph serves every step (gpt-fast's decode)."""
+        on the position, so one compiled graph serves every step (gpt-fast's decode). A sparse pattern on
+        CUDA reads only the key tiles of that row (FlexAttention)."""
         at = pos.view(1)
         q, k, v = self._qkv(x, None if angles is None else angles.index_select(0, at))
         cache.k.index_copy_(2, at, k)
         cache.v.index_copy_(2, at, v)
+        if layout is not None and flex.serves(q, layout.flex):
+            return self._out(flex.attend(q, cache.k, cache.v, layout.flex, pos))
         return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask.index_select(0, at)))
 
 
@@ -232,9 +236,9 @@ class Block(nn.Module):
         pos = torch.arange(x.shape[1], device=x.device)
         return self._residuals(x, pos, cache, lambda h: self.attn(h, mask, angles, cache, layout))
 
-    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor):
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout: SparseLayout | None = None):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim), reading and extending the cache."""
-        return self._residuals(x, pos.view(1), cache, lambda h: self.attn.decode(h, mask, angles, cache, pos))
+        return self._residuals(x, pos.view(1), cache, lambda h: self.attn.decode(h, mask, angles, cache, pos, layout))
 
     def _residuals(self, x, pos, cache: LayerCache | None, attend):
         h = self.post1(attend(self._shifted(self.norm1(x), pos, None if cache is None else cache.attn_in)))
@@ -297,11 +301,14 @@ class Transformer(nn.Module):
     def _mask(self, layer: Block) -> torch.Tensor:
         return getattr(self, f"mask_{layer.attn_type}")
 
+    def _layout(self, layer: Block) -> SparseLayout | None:
+        return self.layouts[layer.attn_type] if layer.attn_type in self.layouts else None
+
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one."""
         recompute = self.checkpoint_activations and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            layout = self.layouts[layer.attn_type] if layer.attn_type in self.layouts else None
+            layout = self._layout(layer)
             if recompute:  # only the block's input is kept; non-reentrant, so it nests in DDP, FSDP, ZeRO-3, compile
                 x = checkpoint(layer, x, self._mask(layer), self.angles, None, layout, use_reentrant=False)
             else:
@@ -311,5 +318,5 @@ class Transformer(nn.Module):
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x (b, 1, dim) at position `pos` (0-dim tensor) -> (b, 1, dim), attending over the cache."""
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.decode(x, self._mask(layer), self.angles, layer_cache, pos)
+            x = layer.decode(x, self._mask(layer), self.angles, layer_cache, pos, self._layout(layer))
         return x
