@@ -20,7 +20,8 @@ ALLOWED = {
     "dalle_pytorch/compat": {MODELS, DATA},
     "dalle_pytorch/inference": {MODELS, DATA, COMPAT},  # neither training nor distributed
     "dalle_pytorch/eval": {MODELS, DATA, INFERENCE},  # neither training nor distributed
-    "dalle_pytorch/training": {MODELS, DATA, COMPAT, INFERENCE, "distributed"},
+    # eval: the parser scores generated images during validation (eval imports nothing of training)
+    "dalle_pytorch/training": {MODELS, DATA, COMPAT, INFERENCE, "dalle_pytorch.eval", "distributed"},
     "distributed": set(),
 }
 OURS = (
