@@ -49,6 +49,9 @@ def atomic_save(obj, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     if path.endswith(SAFETENSORS):
         save_tree(obj, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its file 0600: readable as any file the user writes
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     else:

@@ -2,6 +2,8 @@
 weights) with no pickle; damaged or foreign files end in one line."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -69,3 +71,15 @@ def test_exports_of_either_format_load_whatever_their_name(tmp_path):
     for name in ("vae.safetensors", "vae.pt", "renamed.pt"):
         export = load_export(str(tmp_path / name), "vae")
         assert export["kind"] == "vae" and torch.equal(export["weights"]["w"], weights["w"]), name
+
+
+@pytest.mark.parametrize("name", ["export.safetensors", "export.pt"])
+def test_exports_get_the_users_file_mode(tmp_path, name):
+    """As any file the user writes (umask 022: 0644), not safetensors' private 0600: a cluster's shared run
+    folder is read by others."""
+    old = os.umask(0o022)
+    try:
+        atomic_save({"weights": {"w": torch.zeros(3)}}, str(tmp_path / name))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644
