@@ -26,7 +26,7 @@ from .run_dir import RunDir, progress
 from .schedules import lr_factor
 from .signals import GraceCheck, StopFlag, StopVote
 from .task import Task
-from .validation import validate
+from .validation import validate, whole_model
 
 
 @dataclass
@@ -217,10 +217,8 @@ def resume(resume_flag: str, backend, run: RunDir, ema: EMA | None = None) -> Po
 
 def write_samples(task: Task, model, backend, path: str, step: int, run) -> None:
     """Every rank generates (sharded parameters need every rank to gather); rank 0 writes."""
-    with backend.full_params(model) as module:
-        module.eval()
+    with whole_model(backend, model) as module:
         task.write_samples(module, step, path if backend.is_main else None)
-        module.train()
     if backend.is_main and os.path.exists(path):
         run.log_image(step, "samples", path)
 

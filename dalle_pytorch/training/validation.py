@@ -92,15 +92,16 @@ def validate(task, model, backend, cfg, step: int) -> dict:
                 sums[k] = sums.get(k, 0) + v.detach().float()
     model.train()
     means = {k: v / len(loader) for k, v in sums.items()}
-    means.update(task.val_scores(lambda: _whole(backend, model), backend.rank, backend.world_size))
+    means.update(task.val_scores(lambda: whole_model(backend, model), backend.rank, backend.world_size))
     names = sorted(means)
     means = backend.all_reduce(torch.stack([means[k].to(backend.device).float() for k in names]), op="mean")
     return {f"val_{k}": v for k, v in zip(names, means.tolist())}
 
 
 @contextlib.contextmanager
-def _whole(backend, model):
-    """Collective: the unwrapped module, every parameter gathered, in eval mode for the block."""
+def whole_model(backend, model):
+    """Collective (every rank enters it): the unwrapped module, every parameter gathered, in eval mode for the
+    block; for generating during training (validation's val_scores, the loop's sample grids)."""
     with backend.full_params(model) as module:
         module.eval()
         try:
