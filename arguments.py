@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dalle_pytorch.compat import flags as predecessor_flags
 from dalle_pytorch.config import FileParser, add_flags, flag, take
+from dalle_pytorch.training.ema import check_decay
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -101,8 +102,8 @@ class TrainConfig:
             raise ValueError(f"--learning_rate must be positive (got {self.learning_rate})")
         if self.clip_grad_norm < 0:
             raise ValueError(f"--clip_grad_norm must be >= 0 (got {self.clip_grad_norm})")
-        if self.ema and not 0 < self.ema < 1:
-            raise ValueError(f"--ema must be a decay between 0 and 1, e.g. 0.999 (got {self.ema:g}); 0 turns it off")
+        if self.ema:
+            check_decay(self.ema)
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist_timeout must be a positive number of seconds (got {self.dist_timeout:g})")
 

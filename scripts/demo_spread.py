@@ -62,7 +62,8 @@ def main(argv=None):
             recipe = demo.dalle_recipe(vae, args.dalle_steps, common)
             # the first seed's BPE for all, so that one CLIP reads every DALLE's captions
             dalle = train_dalle.main([*recipe, "--seed", str(seed), "--name", name, "--ema", str(args.ema), *bpe])
-        bpe = bpe or ["--bpe_path", os.path.join(os.path.dirname(dalle), "bpe.yttm")]
+        # the first seed's own BPE lowercases what it reads: the others read it the same way (--bpe_lowercase)
+        bpe = bpe or ["--bpe_path", os.path.join(os.path.dirname(dalle), "bpe.yttm"), "--bpe_lowercase"]
         if tokenizer is None:  # the CLIP, trained once on the first seed's DALLE (its tokenizers, its VAE)
             tokenizer = dalle_fit(dalle)["tokenizer"]
             clip = os.path.join(args.out, "runs", "clip", "clip.safetensors")

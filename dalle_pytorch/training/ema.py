@@ -21,12 +21,17 @@ def ema_decay(step: int, decay: float) -> float:
     return min(decay, (1 + step) / (10 + step))
 
 
+def check_decay(decay: float) -> None:
+    """The one check of --ema's value (0 turns it off and is the caller's to skip): before training starts."""
+    if not 0 < decay < 1:
+        raise ValueError(f"--ema must be a decay between 0 and 1, e.g. 0.999 (got {decay:g}); 0 turns it off")
+
+
 class EMA:
     """The moving average of `weights` (a distributed.Weights): update() after every optimizer step."""
 
     def __init__(self, decay: float, weights):
-        if not 0 < decay < 1:
-            raise ValueError(f"--ema must be between 0 and 1, e.g. 0.999 (got {decay:g})")
+        check_decay(decay)
         self.decay, self.weights = decay, weights
         self.average = {k: v.detach().clone() for k, v in weights.local.items()}  # same layout, own storage
         self._average = weights.plain(self.average)
