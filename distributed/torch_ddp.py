@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Backend, Workload
-from .torch_parts import destroy_process_group, init_process_group, torch_parts
+from .base import Workload
+from .torch_parts import ProcessGroupBackend, torch_parts
 
 
-class DDPBackend(Backend):
+class DDPBackend(ProcessGroupBackend):
     name = "ddp"
-
-    def setup(self) -> None:
-        super().setup()
-        self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
-
-    def teardown(self) -> None:
-        destroy_process_group(self._collectives)
 
     def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         ids = [self.device.index] if self.device.type == "cuda" else None

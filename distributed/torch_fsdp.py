@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from .base import Backend, Weights, Workload
-from .torch_parts import destroy_process_group, init_process_group, torch_parts
+from .base import Weights, Workload
+from .torch_parts import ProcessGroupBackend, torch_parts
 
 
 def _check_unshared(blocks: nn.ModuleList) -> None:
@@ -42,15 +42,8 @@ class FSDPWeights(Weights):
         return full if self.is_main else None
 
 
-class FSDPBackend(Backend):
+class FSDPBackend(ProcessGroupBackend):
     name = "fsdp"
-
-    def setup(self) -> None:
-        super().setup()
-        self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
-
-    def teardown(self) -> None:
-        destroy_process_group(self._collectives)
 
     def prepare(self, model, make_optimizer, make_scheduler, workload: Workload = Workload()):
         model = model.to(self.device)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .base import StepOptions, StepResult
+from .base import Backend, StepOptions, StepResult
 from .checkpoint_io import load_rank_file, load_shared_file, save_rank_file, save_shared_file
 from .watchdog import Heartbeat
 
@@ -189,6 +189,17 @@ def export_launcher_env(topo) -> None:
         ("LOCAL_RANK", topo.local_rank),
     ):
         os.environ.setdefault(key, str(value))
+
+
+class ProcessGroupBackend(Backend):
+    """A backend over a torch.distributed process group (DDP, FSDP): joins it in setup, leaves it in teardown."""
+
+    def setup(self) -> None:
+        super().setup()
+        self._collectives = init_process_group(self.topo, self.device, self._opts.dist_timeout)
+
+    def teardown(self) -> None:
+        destroy_process_group(self._collectives)
 
 
 def init_process_group(topo, device: torch.device, timeout_s: float) -> ProcessGroup:
