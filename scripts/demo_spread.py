@@ -7,8 +7,8 @@ mean and range over the seeds, and writes spread.json.
 
     .venv/bin/python scripts/demo_spread.py [--seeds 42 1 2] [--ema 0.995] [--out demo_spread]
 
-About 38 minutes per seed on a 2-core CPU (DALLE about 20, two evaluations about 10 each), the VAE and CLIP
-included: 2 hours for the default 3 seeds (AMD EPYC, AVX2, 2026-12-06).
+About 38 minutes per seed on a 2-core CPU (DALLE about 20, two evaluations about 10 each): 2 hours for the
+default 3 seeds, the VAE and CLIP included (AMD EPYC, AVX2, 2026-12-06).
 """
 
 from __future__ import annotations
