@@ -27,6 +27,15 @@ class TrainConfig:
     # data
     dataset_size: int = flag(20000, "samples in the built-in synthetic dataset (used when no data is given)")
     num_workers: int = flag(2, "DataLoader worker processes per rank")
+    shards_index: str = flag(
+        "",
+        "JSON file of the samples in each --wds shard, counted once and read by later runs (default: the run "
+        "directory's shards.json)",
+    )
+    shard_retries: int = flag(5, "retries of a shard (HTTP) that fails, waiting 1 s, 2 s, 4 s ... between tries")
+    max_bad_shards: int = flag(
+        -1, "the run stops when more --wds shards than this cannot be read (-1: 1 in 100 of the shards)"
+    )
     # length of training
     epochs: int = flag(1, "passes over the data (ignored when --steps is set)")
     steps: int = flag(0, "optimizer steps to train; 0 means derive from --epochs")

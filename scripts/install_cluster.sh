@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What the cluster tests (tests/cluster/) need beside .venv: Debian's SLURM, munge, OpenSSH and Open MPI, and
-# mpi4py built against that Open MPI (it tells every rank under mpirun where rank 0 is). Needs root and apt;
+# mpi4py built against that Open MPI (it tells every rank under mpirun where rank 0 is); nginx for the tests that
+# stream shards over HTTP (tests/http_shards.py starts its own on 127.0.0.1). Needs root and apt;
 # `make test` runs it when it is root. Idempotent: installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PACKAGES=(slurm-wlm munge openssh-server openssh-client openmpi-bin libopenmpi-dev iproute2 util-linux)
+PACKAGES=(slurm-wlm munge openssh-server openssh-client openmpi-bin libopenmpi-dev iproute2 util-linux nginx)
 MPI4PY_VERSION=4.1.2
 
 missing=()
@@ -22,6 +23,11 @@ if [ ${#missing[@]} -gt 0 ]; then
       exit 1
     }
   }
+  # Where init lets it, the nginx package starts a system nginx on port 80: the tests need none, so stop the one
+  # this install started, by its pid file (never by name: other nginx may run here)
+  if [[ " ${missing[*]} " == *" nginx "* && -s /run/nginx.pid ]]; then
+    kill "$(cat /run/nginx.pid)" 2>/dev/null || true
+  fi
 fi
 if ! .venv/bin/python -c "import mpi4py" 2>/dev/null; then
   echo "==> [install-cluster] mpi4py $MPI4PY_VERSION against Open MPI"

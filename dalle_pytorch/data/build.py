@@ -3,7 +3,6 @@ tokenizer from the tokenizer flags (a BPE trained on the captions once, on rank 
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Mapping
 
@@ -25,6 +24,8 @@ def build_dataset(
     seed: int,
     dataset_size: int,
     folder_flag: str,
+    shard_retries: int = 5,
+    max_bad_shards: int = -1,
 ):
     """(image, caption) samples: WebDataset shards (`wds` names the keys, `folder` holds the URLs), an image or
     caption folder, or the built-in synthetic set when no folder is given. `captions`: pairs are needed (DALLE)."""
@@ -36,7 +37,9 @@ def build_dataset(
         if captions and "," not in wds:
             raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {wds!r})")
         keys = wds if captions else wds.split(",")[0]
-        return WebDatasetPairs(folder, keys, image_size, channels, resize_ratio, rank, world_size, seed)
+        return WebDatasetPairs(
+            folder, keys, image_size, channels, resize_ratio, rank, world_size, seed, shard_retries, max_bad_shards
+        )
     if folder:
         from .folders import CaptionFolder, ImageFolder
 
@@ -50,13 +53,13 @@ def build_dataset(
 
 def describe(dataset) -> str:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        return f"{len(dataset.shards)} WebDataset shards"
+        return f"{len(dataset.shards)} WebDataset shards, {dataset.num_samples} samples"
     return f"{len(dataset)} samples"
 
 
 def _captions(dataset, limit: int = 20000) -> list[str]:
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        return [caption for _, caption in itertools.islice(iter(dataset), limit)]
+        return dataset.captions(limit)
     return [
         dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))
     ]

@@ -37,19 +37,22 @@ class TokenizedCaptions(torch.utils.data.Dataset):
 
 
 class TokenizedStream(torch.utils.data.IterableDataset):
-    """The streamed (WebDataset) counterpart of TokenizedCaptions."""
+    """The streamed (WebDataset) counterpart of TokenizedCaptions; answers for its stream (set_plan, the counts)
+    and passes what is not a sample (a skipped one's None, a worker's error) through."""
 
     def __init__(self, base, tokenizer: Tokenizer, text_seq_len: int, truncate: bool = True):
         self.base = base
         self._tok = TokenizedCaptions([], tokenizer, text_seq_len, truncate)
         self.truncated = self._tok.truncated
 
-    def set_epoch(self, epoch: int) -> None:
-        self.base.set_epoch(epoch)
+    def __getattr__(self, name):  # set_plan, num_samples, skip_counts, ...: the stream's
+        if name in ("base", "_tok"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
     def __iter__(self):
-        for image, caption in self.base:
-            yield self._tok.tokenize(image, caption)
+        for item in self.base:
+            yield self._tok.tokenize(*item) if isinstance(item, tuple) else item
 
 
 def tokenized(dataset, tokenizer: Tokenizer, text_seq_len: int):

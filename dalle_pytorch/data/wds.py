@@ -1,23 +1,53 @@
-"""WebDataset tar shards streamed per node and per DataLoader worker: `--wds img,cap` with shard URLs.
+"""WebDataset tar shards streamed to every rank and DataLoader worker: `--wds img,cap` with shard URLs.
 
-Shards are split by rank first (each process reads its own shards), then by DataLoader worker, so no
-sample is read twice in an epoch. Local paths, brace patterns (`shards/{000..099}.tar`), `pipe:` commands
-and http(s) URLs are accepted. Unreadable samples are skipped and counted.
+Local paths, brace patterns (`shards/{000..099}.tar`), folders of shards, `pipe:` commands and http(s) URLs are
+accepted. The samples of each shard are counted once (shard_index.py), so that each epoch's order and each
+rank's and worker's part of it are arithmetic (shard_plan.py): a resumed run starts at its next unseen sample
+without reading what it skips, at the same or another world size. A sample's augmentation and caption choice
+are seeded by (seed, epoch, shard, sample), so it comes out the same whichever worker reads it.
+
+Nothing is lost silently: an unreadable sample yields None (the batch is one smaller), counted by reason and
+said in a warning; a shard that cannot be read at all is named, and more than --max_bad_shards of them stop the
+run with a line that says so.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 import os
 import random
 import warnings
+from dataclasses import dataclass
 
 import torch
-import webdataset as wds
 from webdataset.shardlists import expand_urls
 
+from . import shard_plan
 from .folders import image_transform
+from .shard_index import UNREADABLE, count_shards
+from .shards import RETRIES, ShardError, open_shard
+
+REASONS = ("unreadable_shard", "missing_from_shard", "missing_key", "bad_image", "bad_caption")
+WARNINGS_PER_REASON = 5  # per process; the rest are counted (the run's metrics) but not shown
+
+
+class DataError(ValueError):
+    """Raised in the training process for what a DataLoader worker found (the worker yields it as an item)."""
+
+
+@dataclass
+class Plan:
+    """This epoch's part for the ranks (shard_plan.py): `ranges` of the epoch's order, cut into ranks x workers
+    streams of whole batches; every rank has already taken `consumed` batches of it."""
+
+    epoch: int
+    ranges: list[tuple[int, int]]
+    ranks: int
+    workers: int
+    batch: int
+    consumed: int = 0
 
 
 class WebDatasetPairs(torch.utils.data.IterableDataset):
@@ -31,7 +61,8 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        shuffle_buffer: int = 1000,
+        retries: int = RETRIES,
+        max_bad_shards: int = -1,
     ):
         image_key, _, caption_key = keys.partition(",")
         if not image_key:
@@ -39,86 +70,163 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         self.shards = _shard_urls(urls) if isinstance(urls, str) else list(urls)
         if not self.shards:
             raise FileNotFoundError(f"no WebDataset shards in {urls!r}")
-        # fewer shards than processes (one big tar on 8 GPUs): every process reads them all and keeps every
-        # world_size-th sample, instead of splitting the shards (more reading, the same samples once each)
-        self.split_samples = len(self.shards) < world_size
-        self.image_key, self.caption_key = image_key, caption_key
+        self.image_key, self.caption_key = image_key.lower(), caption_key.lower()
         self.transform = image_transform(image_size, resize_ratio)
         self.mode = "RGBA" if channels == 4 else "RGB"
-        self.rank, self.world_size, self.seed, self.shuffle_buffer = rank, world_size, seed, shuffle_buffer
-        self.epoch = 0
-        self.skipped = multiprocessing.get_context("fork").Value("i", 0)
+        self.rank, self.world_size, self.seed, self.retries = rank, world_size, seed, retries
+        self.max_bad_shards = max_bad_shards if max_bad_shards >= 0 else len(self.shards) // 100
+        self.counts: list[int] | None = None
+        self.plan: Plan | None = None
+        fork = multiprocessing.get_context("fork")
+        self._skips = fork.Array("q", len(REASONS))  # shared with the DataLoader's (forked) workers
+        self._bad = fork.Array("b", len(self.shards))  # shards found unreadable while training
+        self._shown: dict[str, int] = {}
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    # ------------------------------------------------------------------ the index
+    def count(self, index_path: str = "", add_up=None, say=print) -> None:
+        """Count the samples of every shard (kept in `index_path`); `add_up`: the sum over ranks, a collective."""
+        self.counts = count_shards(self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say)
+        bad = [u for u, n in zip(self.shards, self.counts) if n == UNREADABLE]
+        if bad and self.num_samples and len(bad) > self.max_bad_shards:
+            raise DataError(_too_many(len(bad), len(self.shards), self.max_bad_shards, bad[0]))
 
-    def my_shards(self) -> list[str]:
-        """This rank's and this worker's shards, in this epoch's order."""
-        shards = list(self.shards)
-        random.Random(self.seed + self.epoch).shuffle(shards)
-        if self.split_samples:
-            return shards
-        shards = shards[self.rank :: self.world_size]
-        info = torch.utils.data.get_worker_info()
-        if info is not None:
-            shards = shards[info.id :: info.num_workers]
-        return shards
+    @property
+    def num_samples(self) -> int:
+        return sum(max(n, 0) for n in self._counts())
 
-    def _mine(self, index: int, info) -> bool:
-        """With split_samples: whether sample `index` of the stream belongs to this rank and worker."""
-        if not self.split_samples:
-            return True
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return index % (self.world_size * workers) == self.rank * workers + worker
+    def _counts(self) -> list[int]:
+        if self.counts is None:
+            self.count()
+        return self.counts
 
-    def _skip(self, exn) -> bool:
-        with self.skipped.get_lock():
-            self.skipped.value += 1
-        warnings.warn(f"skipping an unreadable WebDataset sample: {exn}", stacklevel=2)
-        return True
+    # ------------------------------------------------------------------ the stream
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else 0
-        rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}")
-        samples = wds.tarfile_to_samples(handler=self._skip)([{"url": u} for u in self.my_shards()])
-        buffer: list = []
-        for index, sample in enumerate(samples):
-            if not self._mine(index, info):
-                continue
-            item = self._decode(sample)
-            if item is None:
-                continue
-            if self.shuffle_buffer <= 1:
-                yield item
-                continue
-            buffer.append(item)
-            if len(buffer) >= self.shuffle_buffer:
-                yield buffer.pop(rng.randrange(len(buffer)))
-        rng.shuffle(buffer)
-        yield from buffer
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        plan = self.plan or Plan(0, [(0, self.num_samples)], self.world_size, workers, 1)
+        if plan.workers != workers:
+            raise ValueError(f"the plan is for {plan.workers} DataLoader workers, not {workers}")
+        role = (worker + plan.consumed) % workers  # the worker whose turn it was plays first
+        streams = plan.ranks * workers
+        mine = shard_plan.stream_ranges(
+            plan.ranges, self.rank * workers + role, streams, plan.batch,
+            shard_plan.worker_batches(plan.consumed, role, workers),
+        )  # fmt: skip
+        order = shard_plan.EpochOrder(self._counts(), self.seed, plan.epoch)
+        shard, current = None, -1
+        try:
+            for i, j in order.items(mine):
+                if i != current:
+                    if shard is not None:
+                        shard.close()
+                    current, shard = i, self._open(i)
+                    if isinstance(shard, DataError):
+                        yield shard
+                        return
+                if shard is None:
+                    yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
+                elif j >= len(shard):
+                    yield self._skip("missing_from_shard", self._short(shard, i))
+                else:
+                    yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
+        finally:
+            if shard is not None and not isinstance(shard, DataError):
+                shard.close()
 
-    def _decode(self, sample: dict):
-        import io
+    def _open(self, i: int):
+        """Shard i, or None when it cannot be read (said and counted), or the DataError that stops the run."""
+        try:
+            return open_shard(self.shards[i], self.retries)
+        except ShardError as e:
+            warnings.warn(f"shard {e.url} is unreadable: {e.why}; its samples are skipped", stacklevel=2)
+            self._bad[i] = 1
+            bad = sum(self._bad)
+            if bad > self.max_bad_shards:
+                return DataError(_too_many(bad, len(self.shards), self.max_bad_shards, e.url))
+            return None
 
+    def _short(self, shard, i: int) -> str:
+        cut = f", truncated at byte {shard.truncated_at}" if shard.truncated_at is not None else ""
+        index = self._counts()[i]
+        return f"{shard.url} holds {len(shard)} samples{cut}, its index {index}: delete the index to count again"
+
+    def _decode(self, sample: dict, seed: str):
+        key = sample["__key__"]
+        if self.image_key not in sample or (self.caption_key and self.caption_key not in sample):
+            want = self.image_key if self.image_key not in sample else self.caption_key
+            seen = ", ".join(k for k in sample if k != "__key__")
+            return self._skip("missing_key", f"{key}: no {want}, the keys seen were {seen}: name them with --wds")
+        rng = random.Random(seed)
+        if self.caption_key:  # else images only (the VAE)
+            try:
+                text = _caption_text(sample, self.caption_key)
+            except UnicodeDecodeError as e:
+                return self._skip("bad_caption", f"{key}: the {self.caption_key} caption is not UTF-8 ({e.reason})")
+            except ValueError as e:
+                return self._skip("bad_caption", f"{key}: {e}")
+            lines = [t.strip() for t in text.splitlines() if t.strip()]
+            if not lines:
+                return self._skip("bad_caption", f"{key}: empty caption")
+            caption = rng.choice(lines)
+        else:
+            caption = ""
         from PIL import Image
 
         try:
-            with Image.open(io.BytesIO(sample[self.image_key])) as img:
+            with Image.open(io.BytesIO(sample[self.image_key])) as img, torch.random.fork_rng(devices=[]):
+                torch.manual_seed(rng.getrandbits(63))  # the crop: the same in any worker, at any resume
                 image = self.transform(img.convert(self.mode))
-            if not self.caption_key:  # images only (the VAE)
-                return image, ""
-            lines = [t.strip() for t in _caption_text(sample, self.caption_key).splitlines() if t.strip()]
-            if not lines:
-                raise ValueError("empty caption")
-            return image, random.choice(lines)
-        except Exception as e:  # noqa: BLE001 - any broken sample is skipped and counted, never fatal
-            self._skip(f"{sample.get('__key__', '?')}: {type(e).__name__}: {e}")
-            return None
+        except Exception as e:  # noqa: BLE001 - any broken image is skipped and counted, never fatal
+            return self._skip("bad_image", f"{key}: {type(e).__name__}: {e}")
+        return image, caption
+
+    def _skip(self, reason: str, what: str) -> None:
+        k = REASONS.index(reason)
+        with self._skips.get_lock():
+            self._skips[k] += 1
+        shown = self._shown.get(reason, 0)
+        if shown < WARNINGS_PER_REASON:
+            self._shown[reason] = shown + 1
+            more = f" (further {reason} samples are counted, not shown)" if shown + 1 == WARNINGS_PER_REASON else ""
+            warnings.warn(f"skipping an unreadable WebDataset sample: {what}{more}", stacklevel=3)
+        return None
+
+    def skip_counts(self) -> dict[str, int]:
+        """Samples skipped so far in this process and its workers, by reason."""
+        return dict(zip(REASONS, self._skips[:]))
 
     @property
     def num_skipped(self) -> int:
-        return self.skipped.value
+        return sum(self._skips[:])
+
+    def captions(self, limit: int) -> list[str]:
+        """Up to `limit` captions, read without decoding images (to train a BPE on)."""
+        out: list[str] = []
+        for url, n in zip(self.shards, self._counts()):
+            if n <= 0:
+                continue
+            shard = open_shard(url, self.retries)
+            for j in range(len(shard)):
+                sample = shard.read(j)
+                try:
+                    out += [t.strip() for t in _caption_text(sample, self.caption_key).splitlines() if t.strip()]
+                except (KeyError, ValueError):
+                    continue
+                if len(out) >= limit:
+                    shard.close()
+                    return out[:limit]
+            shard.close()
+        return out
+
+
+def _too_many(bad: int, total: int, allowed: int, example: str) -> str:
+    return (
+        f"{bad} of {total} shards could not be read, more than --max_bad_shards {allowed} (e.g. {example}): "
+        "fix or drop them, or raise --max_bad_shards"
+    )
 
 
 def _shard_urls(urls: str) -> list[str]:

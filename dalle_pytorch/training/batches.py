@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ..data import shard_plan
+from ..data.wds import DataError, Plan
+
 
 class ShardedSampler(torch.utils.data.Sampler):
     """Disjoint per-rank shards of a seeded per-epoch permutation, resumable at any position.
@@ -46,19 +49,71 @@ class ShardedSampler(torch.utils.data.Sampler):
 
 
 def total_steps(cfg, dataset, world_size: int) -> int:
-    """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream needs --steps)."""
+    """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream: its counted samples)."""
     if cfg.steps:
         return cfg.steps
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        raise ValueError("streamed WebDataset shards have no known length: set --steps")
-    per_rank = ShardedSampler.shard_size(len(dataset), world_size, cfg.batch_size)
+        streams = world_size * max(cfg.num_workers, 1)
+        per_rank = shard_plan.stream_length([(0, dataset.num_samples)], streams, cfg.batch_size) * max(
+            cfg.num_workers, 1
+        )
+    else:
+        per_rank = ShardedSampler.shard_size(len(dataset), world_size, cfg.batch_size)
     return cfg.epochs * max(per_rank // cfg.batch_size // cfg.accumulation_steps(world_size), 1)
 
 
-def batches(dataset, cfg, backend, pos):
+def stream_plan(dataset, cfg, backend, pos, say=print) -> Plan:
+    """This epoch's plan for a stream (data/shard_plan.py), from the position: the checkpoint's plan, continued
+    where every rank stopped when the layout (ranks, workers, batch size) is the same; what it had left, planned
+    again, when not. `pos.stream` records the plan, `pos.samples_in_epoch` the samples of it consumed."""
+    workers = max(cfg.num_workers, 1)
+    layout = {"ranks": backend.world_size, "workers": workers, "batch": cfg.batch_size, "samples": dataset.num_samples}
+    saved = pos.stream or {}
+    whole = [(0, dataset.num_samples)]
+    if saved and saved.get("samples") != layout["samples"]:
+        say(
+            f"the shards hold {layout['samples']} samples, {saved.get('samples')} when the checkpoint was written: "
+            f"epoch {pos.epoch} starts over"
+        )
+        ranges, consumed = whole, 0
+    elif not saved or all(saved[k] == layout[k] for k in ("ranks", "workers", "batch")):
+        ranges = [tuple(r) for r in saved["ranges"]] if saved else whole
+        consumed = pos.samples_in_epoch // (cfg.batch_size * backend.world_size)
+    else:
+        ranges = shard_plan.remaining(
+            [tuple(r) for r in saved["ranges"]], saved["ranks"], saved["workers"], saved["batch"],
+            pos.samples_in_epoch // (saved["batch"] * saved["ranks"]),
+        )  # fmt: skip
+        consumed = 0
+        say(
+            f"epoch {pos.epoch} was streamed to {saved['ranks']} ranks x {saved['workers']} workers with batch "
+            f"{saved['batch']}: its {shard_plan.length(ranges)} samples left go to {backend.world_size} ranks x "
+            f"{workers} workers with batch {cfg.batch_size}"
+        )
+    if consumed == 0:
+        pos.samples_in_epoch = 0
+    if ranges == whole and shard_plan.stream_length(whole, backend.world_size * workers, cfg.batch_size) == 0:
+        raise ValueError(
+            f"the data yielded no batch: check the dataset and --batch_size ({dataset.num_samples} samples are "
+            f"fewer than a batch of {cfg.batch_size} for each of {backend.world_size} ranks x {workers} workers)"
+        )
+    pos.stream = {**layout, "ranges": [list(r) for r in ranges]}
+    return Plan(pos.epoch, ranges, backend.world_size, workers, cfg.batch_size, consumed)
+
+
+def _collate(items: list):
+    """A batch of the samples that could be read (None: a skipped one); a worker's DataError is raised here."""
+    for item in items:
+        if isinstance(item, DataError):
+            raise item
+    kept = [item for item in items if item is not None]
+    return torch.utils.data.default_collate(kept) if kept else None
+
+
+def batches(dataset, cfg, backend, pos, say=print):
     """This rank's batches from `pos` on, forever, epoch after epoch; advances `pos.epoch` and
     `pos.samples_in_epoch` (counted over all ranks) as it yields."""
-    streamed = isinstance(dataset, torch.utils.data.IterableDataset)  # shards split per rank by the dataset
+    streamed = isinstance(dataset, torch.utils.data.IterableDataset)  # split among ranks and workers by its plan
     per_step = cfg.batch_size * backend.world_size
     sampler = None
     if not streamed:
@@ -70,23 +125,25 @@ def batches(dataset, cfg, backend, pos):
         num_workers=cfg.num_workers,
         pin_memory=backend.device.type == "cuda",
         drop_last=True,
+        collate_fn=_collate if streamed else None,
         # its own generator: creating an iterator must not consume the global RNG, or a resumed run's
         # random stream (Gumbel noise, dropout) would drift from the uninterrupted one
         generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
     while True:
-        skip = 0
-        if sampler is not None:  # resumes exactly at the next unseen sample
+        whole_epoch = pos.samples_in_epoch == 0 and not pos.stream
+        if streamed:  # resumes exactly at the next unseen sample, without reading the ones before it
+            dataset.set_plan(stream_plan(dataset, cfg, backend, pos, say))
+        else:
             sampler.set_position(pos.epoch, pos.samples_in_epoch)
-        else:  # a stream is replayed to the resume position (same shard order and shuffle seeds)
-            dataset.set_epoch(pos.epoch)
-            skip = pos.samples_in_epoch // per_step
-        for i, batch in enumerate(loader):
-            if i < skip:
-                continue
+        got = False
+        for batch in loader:
             pos.samples_in_epoch += per_step
+            if batch is None:  # every sample of it was skipped (and counted)
+                continue
+            got = True
             yield batch
-        if pos.samples_in_epoch == 0:
+        if whole_epoch and not got:
             raise ValueError("the data yielded no batch: check the dataset and --batch_size")
-        pos.epoch, pos.samples_in_epoch = pos.epoch + 1, 0
+        pos.epoch, pos.samples_in_epoch, pos.stream = pos.epoch + 1, 0, {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,8 @@ from .validation import validate, whole_model
 class Position:
     step: int = 0
     epoch: int = 0
-    samples_in_epoch: int = 0  # samples of this epoch already consumed, by all ranks together
+    samples_in_epoch: int = 0  # samples of this epoch (of a stream: of its plan) consumed, by all ranks together
+    stream: dict = field(default_factory=dict)  # a stream's plan for this epoch (batches.stream_plan)
 
 
 def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
@@ -100,7 +101,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
         f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
     )
-    data = batches(task.dataset, cfg, backend, pos)
+    data = batches(task.dataset, cfg, backend, pos, run.print)
     window = MetricWindow(backend, task, run, cfg, total)
     vote = StopVote(parts.stop, backend)
     ctx = HookContext(task.name, backend.rank, backend.world_size, backend.is_main, run.path, total, task.model)
@@ -117,7 +118,10 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     while pos.step < total:
         hooks.before_step(pos.step)
         for micro in range(accum):
-            batch = task.prepare_batch(next(data), backend.device)
+            t0 = time.perf_counter()
+            raw = next(data)
+            window.waited(time.perf_counter() - t0)
+            batch = task.prepare_batch(raw, backend.device)
             with backend.accumulate(model, sync=micro == accum - 1):
                 with backend.autocast():
                     loss, metrics = task.loss(model, batch, pos.step)

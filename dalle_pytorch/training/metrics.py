@@ -25,6 +25,11 @@ class MetricWindow:
     def _reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.count, self.t0 = 0, time.perf_counter()  # micro-batches on this rank
+        self.wait = 0.0  # seconds this rank waited for its batches
+
+    def waited(self, seconds: float) -> None:
+        """Time spent in next(data): when it is a large share of the step, more --num_workers would help."""
+        self.wait += seconds
 
     def add(self, loss: torch.Tensor, metrics: dict) -> None:
         """One micro-batch's loss and metrics, kept on the device (no host sync)."""
@@ -36,14 +41,19 @@ class MetricWindow:
         """Log the window; returns the row. Every rank calls it."""
         b = self.backend
         names = sorted(self.sums)
-        # one collective for the step: metric means, every rank's peak memory in its own slot
+        # one collective for the step: metric means, every rank's peak memory in its own slot, the share of time
+        # waiting for data (mean over ranks), a stream's skipped samples by reason (summed)
+        elapsed = time.perf_counter() - self.t0
         memory = torch.zeros(b.world_size)
         memory[b.rank] = peak_memory_mb(b.device)
+        skips = self.task.dataset.skip_counts() if hasattr(self.task.dataset, "skip_counts") else {}
         means = torch.stack([self.sums[k] / self.count for k in names]) / b.world_size
-        local = torch.cat([means, memory.to(b.device)])
+        extra = torch.tensor([self.wait / elapsed / b.world_size, *skips.values()], dtype=torch.float64)
+        local = torch.cat([means, memory.to(b.device), extra.to(means.dtype).to(b.device)])
         reduced = b.all_reduce(local, op="sum").tolist()  # the host sync of the step, only when logging
-        means, memory = reduced[: len(names)], reduced[len(names) :]
-        elapsed = time.perf_counter() - self.t0
+        n = len(names)
+        means, memory = reduced[:n], reduced[n : n + b.world_size]
+        wait_share, skipped = reduced[n + b.world_size], reduced[n + b.world_size + 1 :]
         images_per_s = self.count * self.cfg.batch_size * b.world_size / elapsed
         row = dict(zip(names, means))
         row.update(
@@ -58,6 +68,8 @@ class MetricWindow:
             memory_mb_per_rank=[round(m) for m in memory],
             images_per_s_per_rank=images_per_s / b.world_size,
             tokens_per_s=images_per_s * self.task.tokens_per_sample,
+            data_wait_share=wait_share,
+            **{f"skipped_{reason}": round(v) for reason, v in zip(skips, skipped)},
         )
         self.run.log_metrics(pos.step, row)
         if bar is not None:

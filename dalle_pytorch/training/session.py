@@ -87,9 +87,20 @@ def rank_dataset(
         seed=cfg.seed,
         dataset_size=cfg.dataset_size,
         folder_flag=folder_flag,
+        shard_retries=cfg.shard_retries,
+        max_bad_shards=cfg.max_bad_shards,
     )
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # streamed shards: their samples counted once
+        index = cfg.shards_index or os.path.join(run.path, "shards.json")
+        dataset.count(index, lambda counts: add_up(backend, counts), run.print)
     run.print(f"data: {describe(dataset)} from {folder or 'the built-in synthetic dataset'}")
     return dataset
+
+
+def add_up(backend, counts: list[int]) -> list[int]:
+    """Collective: the sum of every rank's `counts`."""
+    total = backend.all_reduce(torch.tensor(counts, dtype=torch.int64, device=backend.device), op="sum")
+    return [int(n) for n in total.tolist()]
 
 
 def shared_text_tokenizer(flags, cfg, backend, recovery, run, dataset):

@@ -1,0 +1,109 @@
+"""The samples in each shard, counted once and kept in a JSON index (the run directory's shards.json, or the
+file --shards_index names, shared between runs), so that positions in a stream are arithmetic.
+
+A shard is counted from img2dataset's `NAME_stats.json` beside `NAME.tar` when there is one ("successes": a few
+bytes to fetch instead of the shard), else by reading its tar headers (a URL: the shard, fetched once). The ranks
+count their share of the missing shards, in threads, and add the counts up; a shard that cannot be read counts
+-1: named in one line, left out of the epoch, and not written into the index, so that the next run tries it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from .shards import ShardError, fetch, open_shard
+
+UNREADABLE = -1
+VERSION = 1
+
+
+def read_index(path: str) -> dict[str, int]:
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        return {str(k): int(v) for k, v in index["samples"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a shard index ({type(e).__name__}: {e}): delete it to count again") from None
+
+
+def write_index(path: str, counts: dict[str, int]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"version": VERSION, "samples": counts}, f, indent=0, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def count_shards(
+    urls: list[str],
+    index_path: str,
+    rank: int,
+    world_size: int,
+    add_up: Callable[[list[int]], list[int]] | None,
+    retries: int,
+    say: Callable[[str], None],
+    threads: int = 8,
+) -> list[int]:
+    """Samples per shard of `urls` (UNREADABLE where it could not be read), the same on every rank.
+
+    `add_up`: the sum of a list of ints over the ranks (a collective: every rank calls this function); without
+    it, this process counts every shard itself."""
+    known = read_index(index_path)
+    missing = [i for i, u in enumerate(urls) if u not in known]
+    mine = missing[rank::world_size] if add_up is not None else missing
+    counted = [0] * len(urls)
+    if mine:
+        with ThreadPoolExecutor(min(threads, len(mine))) as pool:
+            for i, n in zip(mine, pool.map(lambda i: _count(urls[i], retries, say), mine)):
+                counted[i] = n
+    counted = add_up(counted) if add_up is not None else counted
+    counts = [known[u] if u in known else counted[i] for i, u in enumerate(urls)]
+    if rank == 0 and missing and index_path:
+        known.update({u: n for u, n in zip(urls, counts) if n != UNREADABLE})
+        write_index(index_path, known)
+        say(f"counted the samples of {len(missing)} shards: {index_path}")
+    return counts
+
+
+def _count(url: str, retries: int, say: Callable[[str], None]) -> int:
+    stats = _stats_count(url)
+    if stats is not None:
+        return stats
+    try:
+        shard = open_shard(url, retries)
+    except ShardError as e:
+        say(f"warning: shard {e.url} is unreadable: {e.why}; it is left out")
+        return UNREADABLE
+    shard.close()
+    if shard.truncated_at is not None:
+        say(f"warning: shard {url} is truncated at byte {shard.truncated_at}: {len(shard)} complete samples before it")
+    elif len(shard) == 0:
+        say(f"warning: shard {url} holds no samples (an empty tar)")
+    return len(shard)
+
+
+def _stats_count(url: str) -> int | None:
+    """img2dataset's count of the samples it wrote into the shard, from NAME_stats.json beside NAME.tar."""
+    if not url.endswith(".tar") or url.startswith("pipe:"):
+        return None
+    stats_url = url[: -len(".tar")] + "_stats.json"
+    try:
+        if "://" in stats_url and not stats_url.startswith("file://"):
+            raw = fetch(stats_url, retries=1, backoff=0.2)
+        else:
+            path = stats_url.removeprefix("file://")
+            if not os.path.exists(path):
+                return None
+            with open(path, "rb") as f:
+                raw = f.read()
+        n = json.loads(raw)["successes"]
+    except (ShardError, urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return n if isinstance(n, int) and n >= 0 else None

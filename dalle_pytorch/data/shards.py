@@ -1,0 +1,222 @@
+"""One WebDataset shard, read whole and indexed by sample: local tars, `pipe:` commands, and http(s) with retries.
+
+A shard is opened once per pass over it: its tar headers are parsed into samples (the members sharing a key, as
+webdataset groups them: `a/0001.jpg` + `a/0001.txt`), so any sample is read by its number without decoding the
+others. Local tars are read in place; a URL is fetched whole, with retries and exponential backoff, and a
+response cut mid-transfer is resumed with an HTTP Range request at the byte reached (ROOTS streamed its nodes'
+shards so). Damage is said, not hidden: a truncated tar keeps the samples before the cut and records where it is.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import io
+import os
+import re
+import subprocess
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+RETRIES = 5  # consecutive failed attempts before a shard is given up (--shard_retries)
+BACKOFF_S = 1.0  # the first wait; doubled after each failure, at most MAX_WAIT_S
+MAX_WAIT_S = 30.0
+TIMEOUT_S = 60.0  # a connection that sends nothing for this long is a failure
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext: the key, then every extension
+
+
+class ShardError(Exception):
+    """A shard that could not be read at all: `url` and why, in one line."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"{url}: {why}")
+        self.url, self.why = url, why
+
+
+@dataclass
+class Shard:
+    """A tar's samples, each {extension: (offset, size)}, read by number from `data` (fetched) or `path`."""
+
+    url: str
+    samples: list[dict[str, tuple[int, int]]]
+    keys: list[str]
+    data: bytes | None = None
+    path: str | None = None
+    truncated_at: int | None = None  # the byte where the tar breaks off, when it does
+    _file: object = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self, index: int) -> dict:
+        """Sample `index`: {"__key__": key, extension: bytes, ...}."""
+        out = {"__key__": self.keys[index]}
+        for ext, (offset, size) in self.samples[index].items():
+            if self.data is not None:
+                out[ext] = self.data[offset : offset + size]
+            else:
+                if self._file is None:
+                    self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
+                out[ext] = os.pread(self._file.fileno(), size, offset)
+        return out
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def open_shard(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S) -> Shard:
+    """Parse shard `url`; raises ShardError when it cannot be read at all (missing, refused after `retries`)."""
+    local = _local_path(url)
+    if local is not None:
+        if not os.path.exists(local):
+            raise ShardError(url, "no such file")
+        with open(local, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        if not gzipped:  # read in place: only the headers now, each sample's bytes when it is read
+            with open(local, "rb") as f:
+                samples, keys, cut = _parse(f, os.path.getsize(local))
+            return Shard(url, samples, keys, path=local, truncated_at=cut)
+        with open(local, "rb") as f:
+            data = f.read()
+    elif url.startswith("pipe:"):
+        data = _run_pipe(url)
+    elif url.startswith(("http://", "https://")):
+        data = fetch(url, retries, backoff)
+    else:
+        raise ShardError(url, "not a local path, http(s) URL or pipe: command")
+    return shard_from_bytes(url, data)
+
+
+def shard_from_bytes(url: str, data: bytes) -> Shard:
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise ShardError(url, f"not a readable gzip file ({e})") from None
+    samples, keys, cut = _parse(io.BytesIO(data), len(data))
+    return Shard(url, samples, keys, data=data, truncated_at=cut)
+
+
+def _parse(f, size: int):
+    """(samples, keys, truncated_at) of the tar in file object `f` of `size` bytes."""
+    samples: list[dict] = []
+    keys: list[str] = []
+    cut = None
+    try:
+        tar = tarfile.open(fileobj=f, mode="r:")
+    except tarfile.ReadError:
+        if size == 0:
+            return samples, keys, None  # an empty file: no samples, nothing broken
+        return samples, keys, 0
+    while True:
+        try:
+            member = tar.next()
+        except (tarfile.ReadError, EOFError, OSError):  # a header cut short or garbage after the last member
+            cut = tar.offset
+            break
+        if member is None:
+            break
+        if not member.isfile():
+            continue
+        if member.offset_data + member.size > size:  # the member's data runs past the end
+            cut = member.offset
+            break
+        match = _KEY.match(member.name)
+        if not match or os.path.basename(member.name).startswith("__"):
+            continue
+        key, ext = match.group(1), match.group(2).lower()
+        if not keys or keys[-1] != key:
+            keys.append(key)
+            samples.append({})
+        samples[-1][ext] = (member.offset_data, member.size)
+    if cut is not None and samples and keys:
+        # the last sample before the cut may have lost members that followed it: drop it, it is incomplete
+        samples.pop()
+        keys.pop()
+    return samples, keys, cut
+
+
+def _local_path(url: str) -> str | None:
+    if url.startswith("file://"):
+        return url[len("file://") :]
+    if "://" in url or url.startswith("pipe:"):
+        return None
+    return url
+
+
+def _run_pipe(url: str) -> bytes:
+    proc = subprocess.run(url[len("pipe:") :], shell=True, capture_output=True)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise ShardError(url, f"the command exited with {proc.returncode}: {err[-1] if err else 'no message'}")
+    return proc.stdout
+
+
+def fetch(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S, timeout: float = TIMEOUT_S) -> bytes:
+    """The whole body at `url`. A failed or cut transfer is retried after a growing wait; after a cut, the next
+    request asks for the rest only (Range: bytes=N-), so a flaky server costs the bytes lost, not the shard.
+    4xx answers (but 408 and 429) are final: retrying a missing file does not make it appear."""
+    buf = bytearray()
+    failures = 0
+    while True:
+        got = len(buf)
+        try:
+            _get(url, buf, timeout)
+            return bytes(buf)
+        except _Final as e:
+            raise ShardError(url, str(e)) from None
+        except (urllib.error.URLError, http.client.HTTPException, OSError, _Retry) as e:
+            why = _why(e)
+        failures = 0 if len(buf) > got else failures + 1  # a transfer that moved forward is not a failure
+        if failures > retries:
+            where = f" (after {len(buf)} bytes)" if buf else ""
+            raise ShardError(url, f"{why}{where}, still failing after {retries} retries") from None
+        time.sleep(min(backoff * 2 ** max(failures - 1, 0), MAX_WAIT_S))
+
+
+class _Final(Exception):
+    pass
+
+
+class _Retry(Exception):
+    pass
+
+
+def _get(url: str, buf: bytearray, timeout: float) -> None:
+    """One request for the bytes of `url` from len(buf) on, appended to `buf` as they arrive."""
+    start = len(buf)
+    request = urllib.request.Request(url, headers={"Range": f"bytes={start}-"} if start else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and start:  # nothing after the byte reached: the cut fell exactly at the end
+            return
+        if 400 <= e.code < 500 and e.code not in (408, 429):
+            raise _Final(f"HTTP {e.code} {e.reason}") from None
+        raise _Retry(f"HTTP {e.code} {e.reason}") from None
+    with response:
+        if start and response.status != 206:  # the server ignored the range: take the body from its start
+            del buf[:]
+            start = 0
+        length = response.headers.get("Content-Length")
+        expected = start + int(length) if length is not None else None
+        while True:
+            chunk = response.read(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+    if expected is not None and len(buf) < expected:
+        raise _Retry(f"the response was cut at byte {len(buf)} of {expected}")
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
+        return f"cannot connect ({e.reason})"
+    if isinstance(e, http.client.IncompleteRead):
+        return "the response was cut mid-transfer"
+    return str(e) or type(e).__name__
