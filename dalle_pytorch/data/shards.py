@@ -134,6 +134,8 @@ def _parse(f, size: int):
             keys.append(key)
             samples.append({})
         samples[-1][ext] = (member.offset_data, member.size)
+    if cut is None and samples and tar.offset + 2 * tarfile.BLOCKSIZE > size:
+        cut = size  # no end-of-archive blocks (every tar writer adds two): cut between two members
     if cut is not None and samples and keys:
         # the last sample before the cut may have lost members that followed it: drop it, it is incomplete
         samples.pop()

@@ -168,6 +168,33 @@ def test_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
 
 
 @pytest.mark.e2e
+def test_streamed_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
+    """Shards streamed by 2 DataLoader workers with random crops, resumed after step 3 (mid-epoch, on worker 1's
+    turn, mid-shard) and run into the next epoch: the uninterrupted run's weights, bit for bit."""
+    import shutil
+
+    from dalle_pytorch.data.shapes_export import export_wds
+
+    export_wds(str(tmp_path / "shards"), 70, image_size=16, per_shard=9)  # 8 shards, the last of 7
+    args = [
+        *tiny_dalle(vae_path), "--wds", "png,txt", "--image_text_folder", str(tmp_path / "shards"),
+        "--num_workers", "2", "--resize_ratio", "0.75", "--steps", "10", "--save_every_n_steps", "3",
+        "--keep_n_checkpoints", "5", "--output_dir", str(tmp_path), "--sample_every", "0",
+    ]  # fmt: skip
+    export = train_dalle.main(args)
+    full = _weights(export)
+    ckpts = os.path.join(tmp_path, "dalle", "checkpoints")
+    for later in step_dirs(ckpts)[:-2]:  # keep steps 0 and 3
+        shutil.rmtree(later)
+    train_dalle.main([*args, "--resume", "auto"])
+    resumed = _weights(export)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    with open(os.path.join(tmp_path, "dalle", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows[-1]["epoch"] == 1 and rows[-1]["skipped_bad_image"] == 0 and 0 <= rows[-1]["data_wait_share"] < 1
+
+
+@pytest.mark.e2e
 def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
     args = [
         *TINY_VAE,

@@ -1,0 +1,210 @@
+"""Streamed shards: the epoch's plan, exact resumes at the same layout, every sample once at another, shards
+skipped without reading them, and bad shards said and counted."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from dalle_pytorch.data import shard_plan, wds
+from dalle_pytorch.data.wds import WebDatasetPairs
+from dalle_pytorch.training.batches import batches
+from dalle_pytorch.training.loop import Position
+
+
+def write_shards(folder, shards: int, per_shard, size: int = 8, ext: str = "png") -> list[str]:
+    """Shards of samples whose caption is their key (so the tests can count samples by caption)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for s in range(shards):
+        n = per_shard[s] if isinstance(per_shard, list) else per_shard
+        path = folder / f"shard-{s:04d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for i in range(n):
+                key = f"s{s}-{i}"
+                buf = io.BytesIO()
+                Image.new("RGB", (size, size), ((s * 37) % 256, (i * 53) % 256, 90)).save(buf, format=ext.upper())
+                _add(tar, f"{key}.{ext}", buf.getvalue())
+                _add(tar, f"{key}.txt", key.encode())
+        paths.append(str(path))
+    return paths
+
+
+def _add(tar, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _setup(ranks: int, rank: int, workers: int, batch: int = 2):
+    cfg = SimpleNamespace(batch_size=batch, num_workers=workers, seed=3)
+    backend = SimpleNamespace(world_size=ranks, rank=rank, device=torch.device("cpu"))
+    return cfg, backend
+
+
+def _dataset(paths, rank=0, ranks=1, resize_ratio=1.0):
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=resize_ratio, rank=rank, world_size=ranks, seed=3)
+    ds.count()
+    return ds
+
+
+def _copy(pos: Position) -> Position:
+    return Position(pos.step, pos.epoch, pos.samples_in_epoch, {k: v for k, v in pos.stream.items()})
+
+
+def test_remaining_and_consumed_make_the_plan_exactly():
+    """For any layout and position, what the streams gave plus what remains is every item of the plan once."""
+    rng = random.Random(0)
+    for _ in range(300):
+        total = rng.randrange(4, 400)
+        ranges = shard_plan.merge([(0, total)])
+        if rng.random() < 0.5:  # a plan left by an earlier resume: a few ranges
+            cuts = sorted(rng.sample(range(total + 1), 4))
+            ranges = [(cuts[0], cuts[1]), (cuts[2], cuts[3])]
+        ranks, workers, batch = rng.randrange(1, 4), rng.randrange(1, 4), rng.randrange(1, 5)
+        streams = ranks * workers
+        per_stream = shard_plan.stream_length(ranges, streams, batch)
+        consumed = rng.randrange(0, per_stream // batch * workers + 1) if per_stream else 0
+        given = []
+        for s in range(streams):
+            mine = shard_plan.stream_ranges(ranges, s, streams, batch)
+            assert shard_plan.length(mine) == per_stream
+            k = shard_plan.worker_batches(consumed, s % workers, workers) * batch
+            given += [i for a, b in shard_plan.cut(mine, 0, k) for i in range(a, b)]
+        left = [i for a, b in shard_plan.remaining(ranges, ranks, workers, batch, consumed) for i in range(a, b)]
+        assert sorted(given + left) == [i for a, b in ranges for i in range(a, b)]
+
+
+def test_epoch_order_is_a_permutation_that_changes_with_the_epoch():
+    counts = [5, 0, 3, 7]
+    orders = []
+    for epoch in (0, 1):
+        order = shard_plan.EpochOrder(counts, seed=1, epoch=epoch)
+        items = list(order.items([(0, order.total)]))
+        assert sorted(items) == sorted((s, j) for s, n in enumerate(counts) for j in range(n))
+        orders.append(items)
+    assert orders[0] != orders[1]
+    assert list(shard_plan.EpochOrder(counts, 1, 0).items([(0, 15)])) == orders[0]  # a pure function
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_the_same_layout_gives_the_uninterrupted_batches(tmp_path, workers):
+    """Stopped after an odd number of batches (mid-epoch, mid-shard, on a worker's turn), a new process's batches
+    are the uninterrupted run's, random crops included, into the next epoch."""
+    paths = write_shards(tmp_path, 5, [7, 6, 9, 5, 8], size=12)
+    cfg, backend = _setup(1, 0, workers, batch=3)
+    pos = Position()
+    run = batches(_dataset(paths, resize_ratio=0.6), cfg, backend, pos)
+    for _ in range(5):
+        next(run)
+    saved = _copy(pos)
+    rest = [next(run) for _ in range(10)]  # 10 or 11 batches an epoch: into epoch 1
+    resumed = batches(_dataset(paths, resize_ratio=0.6), cfg, backend, saved)
+    for (img_a, cap_a), (img_b, cap_b) in zip(rest, (next(resumed) for _ in range(10)), strict=True):
+        assert cap_a == cap_b
+        assert torch.equal(img_a, img_b)
+    assert saved.epoch == pos.epoch == 1
+
+
+def _captions(ds, cfg, backend, pos, steps: int) -> list[str]:
+    run = batches(ds, cfg, backend, pos)
+    return [c for _ in range(steps) for c in next(run)[1]]
+
+
+def test_resume_on_another_world_size_sees_every_sample_once(tmp_path):
+    """2 ranks x 2 workers stop mid-epoch; 1 rank with 1 worker finishes the epoch: none twice, none lost."""
+    paths = write_shards(tmp_path, 6, [10, 12, 8, 9, 11, 14])  # 64 samples: 4 streams of 16 (batch 2)
+    seen, saved = [], None
+    for rank in range(2):
+        cfg, backend = _setup(2, rank, 2)
+        pos = Position()
+        seen += _captions(_dataset(paths, rank, 2), cfg, backend, pos, 5)  # 5 of each rank's 16 batches
+        saved = saved or _copy(pos)
+        assert pos.samples_in_epoch == saved.samples_in_epoch == 5 * 2 * 2
+    cfg, backend = _setup(1, 0, 0)
+    pos = _copy(saved)
+    ds = _dataset(paths)
+    left = 64 - len(seen)
+    seen += _captions(ds, cfg, backend, pos, left // 2)
+    assert pos.epoch == 0 and pos.stream["ranks"] == 1
+    keys = [f"s{s}-{i}" for s, n in enumerate([10, 12, 8, 9, 11, 14]) for i in range(n)]
+    assert sorted(seen) == sorted(keys)
+    assert next(batches(ds, cfg, backend, pos)) and pos.epoch == 1  # the next epoch starts on the new layout
+
+
+def test_a_resume_opens_only_the_shards_it_reads(tmp_path, monkeypatch):
+    """The samples before the position are skipped by arithmetic: the shards that hold them are never opened."""
+    paths = write_shards(tmp_path, 10, 6)
+    cfg, backend = _setup(1, 0, 0)
+    pos = Position()
+    run = batches(_dataset(paths), cfg, backend, pos)
+    for _ in range(26):  # 52 of 60 samples
+        next(run)
+    opened = []
+    real = wds.open_shard
+    monkeypatch.setattr(wds, "open_shard", lambda url, *a: opened.append(url) or real(url, *a))
+    next(batches(_dataset(paths), cfg, backend, _copy(pos)))
+    assert len(opened) == 1
+
+
+def test_bad_shards_are_named_counted_and_stop_the_run_past_the_limit(tmp_path):
+    paths = write_shards(tmp_path, 4, 4)
+    data = open(paths[1], "rb").read()
+    open(paths[1], "wb").write(data[: len(data) // 2])  # truncated mid-member
+    open(paths[2], "wb").close()  # an empty file
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, max_bad_shards=0)
+    said = []
+    ds.count(str(tmp_path / "index.json"), say=said.append)
+    assert any("shard-0001.tar is truncated at byte" in s for s in said)
+    assert any("shard-0002.tar holds no samples" in s for s in said)
+    assert ds.num_samples == 8 + ds.counts[1]
+    missing = WebDatasetPairs([*paths, str(tmp_path / "gone.tar")], "png,txt", 8, max_bad_shards=0)
+    with pytest.raises(wds.DataError, match=r"1 of 5 shards could not be read, more than --max_bad_shards 0"):
+        missing.count(say=said.append)
+    assert any("gone.tar is unreadable: no such file" in s for s in said)
+
+
+@pytest.mark.parametrize(
+    "case, reason, said",
+    [
+        ("wrong_key", "missing_key", "no png, the keys seen were jpg, txt: name them with --wds"),
+        ("not_utf8", "bad_caption", "caption is not UTF-8"),
+        ("bad_image", "bad_image", "UnidentifiedImageError"),
+    ],
+)
+def test_every_bad_sample_is_said_and_counted_and_no_batch_is_the_last_line(tmp_path, case, reason, said):
+    paths = write_shards(tmp_path, 2, 4, ext="jpeg" if case == "wrong_key" else "png")
+    if case == "wrong_key":  # --wds png,txt on shards of .jpg
+        for p in paths:
+            _rename_members(p, ".jpeg", ".jpg")
+    if case in ("not_utf8", "bad_image"):
+        for p in paths:
+            _replace_members(p, ".txt" if case == "not_utf8" else ".png", b"\xff\xfe caption \xff")
+    ds = WebDatasetPairs(paths, "png,txt", 8)
+    ds.count()
+    cfg, backend = _setup(1, 0, 0)
+    with pytest.warns(UserWarning, match=said), pytest.raises(ValueError, match="the data yielded no batch"):
+        next(batches(ds, cfg, backend, Position()))
+    assert ds.skip_counts()[reason] == 8
+
+
+def _rewrite(path: str, change) -> None:
+    with tarfile.open(path) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            _add(tar, *change(name, data))
+
+
+def _rename_members(path: str, old: str, new: str) -> None:
+    _rewrite(path, lambda name, data: (name.replace(old, new), data))
+
+
+def _replace_members(path: str, ext: str, data: bytes) -> None:
+    _rewrite(path, lambda name, old: (name, data if name.endswith(ext) else old))
