@@ -183,10 +183,10 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             return self._skip("bad_image", f"{key}: {type(e).__name__}: {e}")
         return image, caption
 
-    def _skip(self, reason: str, what: str) -> None:
-        k = REASONS.index(reason)
-        with self._skips.get_lock():
-            self._skips[k] += 1
+    def _skip(self, reason: str, what: str, count: bool = True) -> None:
+        if count:
+            with self._skips.get_lock():
+                self._skips[REASONS.index(reason)] += 1
         shown = self._shown.get(reason, 0)
         if shown < WARNINGS_PER_REASON:
             self._shown[reason] = shown + 1
@@ -208,17 +208,36 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         for url, n in zip(self.shards, self._counts()):
             if n <= 0:
                 continue
-            shard = open_shard(url, self.retries)
+            try:
+                shard = open_shard(url, self.retries)
+            except ShardError as e:
+                warnings.warn(f"shard {e.url} is unreadable: {e.why}; its captions are skipped", stacklevel=2)
+                continue
             for j in range(len(shard)):
                 sample = shard.read(j)
+                if self.caption_key not in sample:
+                    seen = ", ".join(k for k in sample if k != "__key__")
+                    self._skip("missing_key", f"{sample['__key__']}: no {self.caption_key}, the keys seen were {seen}: "
+                               "name them with --wds", count=False)  # fmt: skip
+                    continue
                 try:
                     out += [t.strip() for t in _caption_text(sample, self.caption_key).splitlines() if t.strip()]
-                except (KeyError, ValueError):
+                except UnicodeDecodeError as e:
+                    what = f"the {self.caption_key} caption is not UTF-8 ({e.reason})"
+                    self._skip("bad_caption", f"{sample['__key__']}: {what}", count=False)
+                    continue
+                except ValueError as e:
+                    self._skip("bad_caption", f"{sample['__key__']}: {e}", count=False)
                     continue
                 if len(out) >= limit:
                     shard.close()
                     return out[:limit]
             shard.close()
+        if not out:
+            raise ValueError(
+                f"the data yielded no batch: check the dataset and --batch_size (no {self.caption_key} caption "
+                "could be read to train the BPE on: see the warnings above)"
+            )
         return out
 
 

@@ -195,6 +195,54 @@ def test_streamed_dalle_resume_equals_uninterrupted(vae_path, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize(
+    "case, found",
+    [
+        ("truncated", "is truncated at byte"),
+        ("empty", "holds no samples (an empty tar)"),
+        ("not_utf8", "the txt caption is not UTF-8"),
+        ("no_answer", "is unreadable: cannot connect"),
+        ("wrong_key", "no png, the keys seen were jpg, txt: name them with --wds"),
+    ],
+)
+def test_bad_shards_end_in_one_line_after_saying_what_they_found(vae_path, tmp_path, capfd, recwarn, case, found):
+    """A new user's bad data, each case alone: what was found is said first (the shard or URL and why), then
+    the same last line."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    path = tmp_path / "shard-0000.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(8):
+            buf = io.BytesIO()
+            Image.new("RGB", (16, 16), (i * 30, 0, 0)).save(buf, format="PNG")
+            ext = "jpg" if case == "wrong_key" else "png"
+            caption = b"\xff\xfe a red square" if case == "not_utf8" else b"a red square"
+            for name, data in ((f"{i:04d}.{ext}", buf.getvalue()), (f"{i:04d}.txt", caption)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[:700])
+    if case == "empty":
+        with tarfile.open(path, "w"):
+            pass
+    urls = "http://127.0.0.1:9/shard-{0000..0001}.tar" if case == "no_answer" else str(path)
+    with pytest.raises(SystemExit):
+        train_dalle.main(
+            [*tiny_dalle(vae_path), "--wds", "png,txt", "--image_text_folder", urls, "--steps", "2",
+             "--shard_retries", "1", "--output_dir", str(tmp_path), "--sample_every", "0"]
+        )  # fmt: skip
+    out, err = capfd.readouterr()
+    assert found in out + err + "".join(str(w.message) for w in recwarn)  # warnings go to stderr outside pytest
+    assert (
+        err.strip().splitlines()[-1].startswith("error: the data yielded no batch: check the dataset and --batch_size")
+    )
+
+
+@pytest.mark.e2e
 def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
     args = [
         *TINY_VAE,
