@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -31,6 +32,8 @@ from PIL import Image
 
 from dalle_pytorch.data import shard_plan
 from dalle_pytorch.data.shapes import sample
+from dalle_pytorch.data.shard_index import read_index
+from dalle_pytorch.data.shards import open_shard
 from dalle_pytorch.data.wds import WebDatasetPairs
 from dalle_pytorch.training.batches import batches, stream_plan
 from dalle_pytorch.training.loop import Position
@@ -138,6 +141,31 @@ def uninterrupted_batch(urls, index, cfg, backend, done: int):
     return batch
 
 
+def first_batch_shards(urls, index, cfg, backend, pos: Position) -> int:
+    """Shards the resumed run's first batch reads: its worker's next 16 items of the plan (shard_plan.py), as
+    WebDatasetPairs.__iter__ finds them; the DataLoader's worker 0 plays the role whose turn it was."""
+    known = read_index(index)
+    counts = [known[u] for u in urls]
+    workers, consumed = cfg.num_workers, pos.samples_in_epoch // cfg.batch_size
+    role = consumed % workers
+    mine = shard_plan.stream_ranges(
+        pos.stream["ranges"], backend.rank * workers + role, backend.world_size * workers, cfg.batch_size,
+        shard_plan.worker_batches(consumed, role, workers),
+    )  # fmt: skip
+    items = shard_plan.EpochOrder(counts, cfg.seed, pos.epoch).items(mine)
+    return len({shard for shard, _ in itertools.islice(items, cfg.batch_size)})
+
+
+def shard_open_s(url: str) -> float:
+    """Seconds to open one shard (its tar headers parsed into samples), best of 3."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        open_shard(url).close()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def same_batch(a, b) -> bool:
     return list(a[1]) == list(b[1]) and torch.equal(a[0], b[0])
 
@@ -217,6 +245,11 @@ def main(argv=None):
     ratio_min = min(times[hi]) / min(times[lo])
     verdict = "met" if ratio_med <= 1.5 else "NOT met"
     print(f"ratio {hi:.0%} / {lo:.0%}: {ratio_med:.2f} (medians), {ratio_min:.2f} (mins); target <= 1.5: {verdict}")
+    opened = ", ".join(f"{f:.0%} {first_batch_shards(urls, index, cfg, backend, saved[f])}" for f in fractions)
+    print(
+        f"shards the first batch reads: {opened}; opening one ({per_shard} samples: its tar headers parsed) "
+        f"takes {shard_open_s(urls[0]) * 1e3:.0f} ms"
+    )
 
     rates = {s: worker_rate(urls, index, s, rate_n, cfg.seed) for s in (256, 64, 32)}
     print(

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .shards import ShardError, fetch, open_shard
 
 UNREADABLE = -1
+_MISSING = -2  # not in the index yet
 VERSION = 1
 
 
@@ -56,15 +57,19 @@ def count_shards(
     `add_up`: the sum of a list of ints over the ranks (a collective: every rank calls this function); without
     it, this process counts every shard itself."""
     known = read_index(index_path)
-    missing = [i for i, u in enumerate(urls) if u not in known]
+    counts = [known.get(u, _MISSING) for u in urls]
+    if add_up is not None:  # rank 0's reading of the index, on every rank (it may write the file meanwhile)
+        counts = add_up(counts if rank == 0 else [0] * len(urls))
+    missing = [i for i, n in enumerate(counts) if n == _MISSING]
     mine = missing[rank::world_size] if add_up is not None else missing
     counted = [0] * len(urls)
     if mine:
         with ThreadPoolExecutor(min(threads, len(mine))) as pool:
             for i, n in zip(mine, pool.map(lambda i: _count(urls[i], retries, say), mine)):
                 counted[i] = n
-    counted = add_up(counted) if add_up is not None else counted
-    counts = [known[u] if u in known else counted[i] for i, u in enumerate(urls)]
+    if missing:
+        counted = add_up(counted) if add_up is not None else counted
+        counts = [counted[i] if n == _MISSING else n for i, n in enumerate(counts)]
     if rank == 0 and missing and index_path:
         known.update({u: n for u, n in zip(urls, counts) if n != UNREADABLE})
         write_index(index_path, known)

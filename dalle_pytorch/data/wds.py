@@ -13,8 +13,6 @@ run with a line that says so.
 
 from __future__ import annotations
 
-import io
-import json
 import multiprocessing
 import os
 import random
@@ -26,6 +24,7 @@ from webdataset.shardlists import expand_urls
 
 from . import shard_plan
 from .folders import image_transform
+from .samples import Skip, caption_lines, image_of
 from .shard_index import UNREADABLE, count_shards
 from .shards import RETRIES, ShardError, open_shard
 
@@ -67,7 +66,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         image_key, _, caption_key = keys.partition(",")
         if not image_key:
             raise ValueError(f"--wds must name the image key and the caption key, as in --wds jpg,txt (got {keys!r})")
-        self.shards = _shard_urls(urls) if isinstance(urls, str) else list(urls)
+        self.shards = shard_urls(urls) if isinstance(urls, str) else list(urls)
         if not self.shards:
             raise FileNotFoundError(f"no WebDataset shards in {urls!r}")
         self.image_key, self.caption_key = image_key.lower(), caption_key.lower()
@@ -154,34 +153,12 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         return f"{shard.url} holds {len(shard)} samples{cut}, its index {index}: delete the index to count again"
 
     def _decode(self, sample: dict, seed: str):
-        key = sample["__key__"]
-        if self.image_key not in sample or (self.caption_key and self.caption_key not in sample):
-            want = self.image_key if self.image_key not in sample else self.caption_key
-            seen = ", ".join(k for k in sample if k != "__key__")
-            return self._skip("missing_key", f"{key}: no {want}, the keys seen were {seen}: name them with --wds")
         rng = random.Random(seed)
-        if self.caption_key:  # else images only (the VAE)
-            try:
-                text = _caption_text(sample, self.caption_key)
-            except UnicodeDecodeError as e:
-                return self._skip("bad_caption", f"{key}: the {self.caption_key} caption is not UTF-8 ({e.reason})")
-            except ValueError as e:
-                return self._skip("bad_caption", f"{key}: {e}")
-            lines = [t.strip() for t in text.splitlines() if t.strip()]
-            if not lines:
-                return self._skip("bad_caption", f"{key}: empty caption")
-            caption = rng.choice(lines)
-        else:
-            caption = ""
-        from PIL import Image
-
         try:
-            with Image.open(io.BytesIO(sample[self.image_key])) as img, torch.random.fork_rng(devices=[]):
-                torch.manual_seed(rng.getrandbits(63))  # the crop: the same in any worker, at any resume
-                image = self.transform(img.convert(self.mode))
-        except Exception as e:  # noqa: BLE001 - any broken image is skipped and counted, never fatal
-            return self._skip("bad_image", f"{key}: {type(e).__name__}: {e}")
-        return image, caption
+            caption = rng.choice(caption_lines(sample, self.caption_key)) if self.caption_key else ""  # else: a VAE's
+            return image_of(sample, self.image_key, self.transform, self.mode, rng.getrandbits(63)), caption
+        except Skip as e:
+            return self._skip(e.reason, e.what)
 
     def _skip(self, reason: str, what: str, count: bool = True) -> None:
         if count:
@@ -214,20 +191,10 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                 warnings.warn(f"shard {e.url} is unreadable: {e.why}; its captions are skipped", stacklevel=2)
                 continue
             for j in range(len(shard)):
-                sample = shard.read(j)
-                if self.caption_key not in sample:
-                    seen = ", ".join(k for k in sample if k != "__key__")
-                    self._skip("missing_key", f"{sample['__key__']}: no {self.caption_key}, the keys seen were {seen}: "
-                               "name them with --wds", count=False)  # fmt: skip
-                    continue
                 try:
-                    out += [t.strip() for t in _caption_text(sample, self.caption_key).splitlines() if t.strip()]
-                except UnicodeDecodeError as e:
-                    what = f"the {self.caption_key} caption is not UTF-8 ({e.reason})"
-                    self._skip("bad_caption", f"{sample['__key__']}: {what}", count=False)
-                    continue
-                except ValueError as e:
-                    self._skip("bad_caption", f"{sample['__key__']}: {e}", count=False)
+                    out += caption_lines(shard.read(j), self.caption_key)
+                except Skip as e:
+                    self._skip(e.reason, e.what, count=False)  # said; counted when training reads it
                     continue
                 if len(out) >= limit:
                     shard.close()
@@ -248,7 +215,7 @@ def _too_many(bad: int, total: int, allowed: int, example: str) -> str:
     )
 
 
-def _shard_urls(urls: str) -> list[str]:
+def shard_urls(urls: str) -> list[str]:
     """Brace patterns, URLs and `pipe:` commands as webdataset expands them; a folder: the shards under it,
     found recursively (as lucidrains' DALLE-pytorch took `--image_text_folder SHARD_FOLDER`)."""
     if os.path.isdir(urls):
@@ -262,16 +229,3 @@ def _shard_urls(urls: str) -> list[str]:
             raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
         return found
     return sorted(expand_urls(urls))
-
-
-def _caption_text(sample: dict, key: str) -> str:
-    """The caption under `key`: text, or a JSON record's "caption" (or "text") field, as img2dataset writes
-    them (`--wds jpg,json`); the predecessor fed the raw JSON to its tokenizer."""
-    raw = sample[key].decode("utf-8")
-    if not key.endswith("json"):
-        return raw
-    record = json.loads(raw)
-    caption = record.get("caption") or record.get("text") if isinstance(record, dict) else None
-    if not isinstance(caption, str):
-        raise ValueError(f'no "caption" or "text" string in the {key} record')
-    return caption

@@ -10,6 +10,9 @@ import dataclasses
 import json
 import os
 
+import torch
+
+from ..data.samples import CODES_KEY
 from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
@@ -19,6 +22,7 @@ from ..models.vae import DiscreteVAE, VAEConfig
 from .batches import total_steps
 from .clip_task import CLIPTask
 from .dalle_task import DALLETask
+from .encode import check_codes, encoded_stream
 from .image_tokenizer import (
     check_same_tokenizer,
     load_image_tokenizer,
@@ -107,8 +111,13 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
             run.print(f"started from {run_cfg.dalle_path} (weights only: a new optimizer and schedule)")
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
+        streamed = isinstance(pairs, torch.utils.data.IterableDataset)
+        if streamed and pairs.image_key == CODES_KEY:  # token shards (python -m dalle_pytorch.training.encode)
+            check_codes(run_cfg.image_text_folder, vae_id)
+        elif streamed and run_cfg.precompute_tokens:
+            pairs = encoded_stream(pairs, run_cfg.wds, vae, vae_id, run, backend, cfg)
         dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
-        if run_cfg.precompute_tokens:
+        if run_cfg.precompute_tokens and not streamed:
             dataset = precomputed(dataset, vae, vae_id, run, backend)
         export_path = run_cfg.dalle_output or os.path.join(run.path, "dalle.safetensors")
         val = tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None

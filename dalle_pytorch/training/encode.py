@@ -1,0 +1,240 @@
+"""Encode WebDataset shards once into token shards: each sample's image as its image tokenizer's codes
+(`codes.npy`), its caption as text (`txt`, every line kept), under the same keys. DALLE then trains on the codes
+(`--wds codes.npy,txt --image_text_folder OUT`) and never decodes a JPEG or runs the VAE again; dalle-mini
+encoded CC12M with its VQGAN once so.
+
+    python -m dalle_pytorch.training.encode --shards 'data/{00000..00099}.tar' --wds jpg,txt \\
+        --vae_path runs/vae/vae.safetensors --out tokens/
+    torchrun --nproc_per_node 8 -m dalle_pytorch.training.encode ...    # srun, mpirun, deepspeed: the same
+
+Every rank encodes shards i with i % world_size == rank (no collective: the ranks never wait for each other). A
+shard is written to a temporary name and renamed when complete, with its `_stats.json` (the samples it holds, so
+the training's index is made without reading it), so a restarted job redoes only the shards it had not finished.
+`OUT/encode.json` records the image tokenizer's fingerprint: train_dalle.py refuses codes of another tokenizer.
+`train_dalle.py --precompute_tokens --wds ...` runs this into its run directory first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+
+import numpy as np
+import torch
+
+from ..data.folders import image_transform
+from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
+from ..data.shards import RETRIES, ShardError, open_shard
+from ..data.wds import REASONS, WebDatasetPairs, shard_urls
+from .session import add_up
+
+META = "encode.json"
+
+
+def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world: int, *, batch_size: int = 64,
+                  retries: int = RETRIES, say=print) -> int:  # fmt: skip
+    """Encode this rank's shards of `urls` into `out`; returns how many it wrote now (finished ones are kept)."""
+    image_key, _, caption_key = keys.partition(",")
+    os.makedirs(out, exist_ok=True)
+    check_meta(out, vae_id)
+    if rank == 0:
+        meta = {"vae_fingerprint": vae_id, "image_size": vae.image_size, "fmap_size": vae.fmap_size,
+                "num_tokens": vae.num_tokens, "wds": keys, "sources": list(urls)}  # fmt: skip
+        _write_json(os.path.join(out, META), meta)
+    transform = image_transform(vae.image_size, 1.0, train=False)  # the centre crop, once for all epochs
+    mode = "RGBA" if vae.channels == 4 else "RGB"
+    written = 0
+    for i in range(rank, len(urls), world):
+        dest = _path(out, i, ".tar")
+        if os.path.exists(dest):
+            continue
+        t = time.perf_counter()
+        try:
+            shard = open_shard(urls[i], retries)
+        except ShardError as e:
+            say(f"warning: shard {e.url} is unreadable: {e.why}; not encoded (run again to retry it)")
+            with open(_path(out, i, ".unreadable"), "w") as f:
+                f.write(e.why + "\n")
+            continue
+        n, skipped = encode_shard(shard, dest, vae, image_key, caption_key, transform, mode, batch_size)
+        shard.close()
+        written += 1
+        why = ", ".join(f"{k} {v}" for k, v in skipped.items() if v)
+        say(
+            f"{urls[i]} -> {dest}: {n} samples in {time.perf_counter() - t:.1f}s"
+            + (f" (skipped: {why})" if why else "")
+        )
+    return written
+
+
+@torch.no_grad()
+def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transform, mode: str, batch_size: int):
+    """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest`."""
+    device = next(vae.parameters()).device
+    skipped = dict.fromkeys(REASONS, 0)
+    tmp = f"{dest}.tmp{os.getpid()}"
+    n = 0
+    with tarfile.open(tmp, "w") as tar:
+        pending: list[tuple[str, bytes, torch.Tensor]] = []
+
+        def flush():
+            codes = vae.get_codebook_indices(torch.stack([p[2] for p in pending]).to(device).float()).cpu().numpy()
+            dtype = np.int16 if vae.num_tokens <= np.iinfo(np.int16).max else np.int32
+            for (key, caption, _), ids in zip(pending, codes):
+                buf = io.BytesIO()
+                np.save(buf, ids.astype(dtype), allow_pickle=False)
+                _add(tar, f"{key}.{CODES_KEY}", buf.getvalue())
+                _add(tar, f"{key}.txt", caption)
+            pending.clear()
+
+        for j in range(len(shard)):
+            sample = shard.read(j)
+            try:  # every line of the caption (img2dataset's json records: their caption), as UTF-8 text
+                caption = "\n".join(caption_lines(sample, caption_key)).encode() if caption_key else b""
+                pending.append((sample["__key__"], caption, image_of(sample, image_key, transform, mode, 0)))
+            except Skip as e:
+                skipped[e.reason] += 1
+                continue
+            n += 1
+            if len(pending) == batch_size:
+                flush()
+        if pending:
+            flush()
+    base = dest[: -len(".tar")]
+    _write_json(f"{base}_stats.json", {"successes": n, "source": shard.url, "skipped": skipped})
+    os.replace(tmp, dest)  # complete: a restarted job keeps it
+    return n, skipped
+
+
+def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, backend, cfg) -> WebDatasetPairs:
+    """--precompute_tokens with --wds: the shards of `pairs` encoded into the run's tokens/ (every rank its share;
+    a resumed run keeps what was done), then streamed as codes. The ranks wait for each other by looking at the
+    files, not in a collective, so a long encoding does not run into --dist_timeout."""
+    out = os.path.join(run.path, "tokens")
+    os.makedirs(out, exist_ok=True)
+    for i in range(backend.rank, len(pairs.shards), backend.world_size):  # a failure of an earlier try: retried
+        marker = _path(out, i, ".unreadable")
+        if os.path.exists(marker):
+            os.remove(marker)
+    backend.barrier()
+    t = time.perf_counter()
+    n = encode_shards(pairs.shards, keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
+                      backend.world_size, retries=cfg.shard_retries, say=run.print)  # fmt: skip
+    last = time.perf_counter()
+    while not all(os.path.exists(_path(out, i, ".tar")) or os.path.exists(_path(out, i, ".unreadable"))
+                  for i in range(len(pairs.shards))):  # fmt: skip
+        if time.perf_counter() - last > 60:
+            run.print("waiting for the other ranks to finish encoding their shards")
+            last = time.perf_counter()
+        time.sleep(1)
+    backend.barrier()
+    run.print(f"image codes of {len(pairs.shards)} shards in {out} ({n} encoded now, {time.perf_counter() - t:.0f}s)")
+    tokens = WebDatasetPairs(out, f"{CODES_KEY},txt", vae.image_size, rank=backend.rank,
+                             world_size=backend.world_size, seed=pairs.seed, retries=pairs.retries,
+                             max_bad_shards=pairs.max_bad_shards)  # fmt: skip
+    tokens.count(os.path.join(out, "shards.json"), lambda counts: add_up(backend, counts), run.print)
+    return tokens
+
+
+def check_codes(folder_or_urls: str, vae_id: str) -> None:
+    """Token shards (`--wds codes.npy,...`) must hold the codes of the image tokenizer the run trains with."""
+    if os.path.isdir(folder_or_urls):
+        meta = os.path.join(folder_or_urls, META)
+    else:
+        meta = os.path.join(os.path.dirname(shard_urls(folder_or_urls)[0]), META)
+    if "://" in meta and not meta.startswith("file://"):
+        from ..data.shards import fetch
+
+        try:
+            recorded = json.loads(fetch(meta, retries=1)).get("vae_fingerprint")
+        except (ShardError, ValueError):
+            return
+    elif os.path.exists(meta):
+        with open(meta) as f:
+            recorded = json.load(f).get("vae_fingerprint")
+    else:
+        return
+    if recorded != vae_id:
+        raise ValueError(
+            f"{meta}: these codes were made by another image tokenizer (fingerprint {recorded}, the run's {vae_id}): "
+            "pass the tokenizer that encoded them, or encode the shards again"
+        )
+
+
+def _path(out: str, i: int, ext: str) -> str:
+    return os.path.join(out, f"tokens-{i:06d}{ext}")
+
+
+def check_meta(out: str, vae_id: str) -> None:
+    path = os.path.join(out, META)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recorded = json.load(f).get("vae_fingerprint")
+    if recorded != vae_id:
+        raise ValueError(
+            f"{out} holds the codes of another image tokenizer (fingerprint {recorded}, this one {vae_id}): "
+            "encode into another --out, or pass the tokenizer that made them"
+        )
+
+
+def _add(tar, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    from distributed import set_threads, topology_from_env
+
+    from ..errors import user_errors
+    from .image_tokenizer import load_image_tokenizer
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", required=True, help="the source shards: a folder, a brace pattern or URLs")
+    p.add_argument("--wds", required=True, help="the image and caption keys of the source shards, e.g. jpg,txt")
+    p.add_argument("--out", required=True, help="folder of the token shards (tokens-000000.tar ...)")
+    p.add_argument("--vae_path", default="", help="our VAE's export (train_vae.py)")
+    p.add_argument("--taming", action="store_true", help="a VQGAN: with --vqgan_model_path and --vqgan_config_path")
+    p.add_argument("--vqgan_model_path", default="")
+    p.add_argument("--vqgan_config_path", default="")
+    p.add_argument("--openai_vae_path", default="", help="OpenAI's dVAE: the folder of encoder.pkl, decoder.pkl")
+    p.add_argument("--pretrained_image_size", type=int, default=0, help="a pretrained tokenizer's image size")
+    p.add_argument("--batch_size", type=int, default=64, help="images per VAE pass")
+    p.add_argument("--shard_retries", type=int, default=RETRIES, help="retries of a shard (HTTP) that fails")
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
+    args = p.parse_args(argv)
+    with user_errors(args.debug):
+        if "," not in args.wds:
+            raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {args.wds!r})")
+        topo = topology_from_env()
+        set_threads(0, topo)
+        vae, _, vae_id = load_image_tokenizer({**vars(args), "image_text_folder": ""})
+        device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
+        vae = vae.to(device).eval()
+        urls = shard_urls(args.shards)
+        n = encode_shards(urls, args.wds, vae, vae_id, args.out, topo.rank, topo.world_size,
+                          batch_size=args.batch_size, retries=args.shard_retries)  # fmt: skip
+        left = [i for i in range(len(urls)) if not os.path.exists(_path(args.out, i, ".tar"))]
+        print(f"rank {topo.rank}: encoded {n} shards; {len(urls) - len(left)} of {len(urls)} are in {args.out}")
+        if left:
+            print(
+                f"{len(left)} shards are not encoded yet (other ranks' or failed): run again to finish", file=sys.stderr
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
