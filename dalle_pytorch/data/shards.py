@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import gzip
 import http.client
-import io
 import os
 import re
 import subprocess
-import tarfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from .tar_members import members
 
 RETRIES = 5  # consecutive failed attempts before a shard is given up (--shard_retries)
 BACKOFF_S = 1.0  # the first wait; doubled after each failure, at most MAX_WAIT_S
@@ -79,7 +79,7 @@ def open_shard(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S) -> 
             gzipped = f.read(2) == b"\x1f\x8b"
         if not gzipped:  # read in place: only the headers now, each sample's bytes when it is read
             with open(local, "rb") as f:
-                samples, keys, cut = _parse(f, os.path.getsize(local))
+                samples, keys, cut = _parse(lambda offset, n: os.pread(f.fileno(), n, offset), os.path.getsize(local))
             return Shard(url, samples, keys, path=local, truncated_at=cut)
         with open(local, "rb") as f:
             data = f.read()
@@ -98,45 +98,25 @@ def shard_from_bytes(url: str, data: bytes) -> Shard:
             data = gzip.decompress(data)
         except (OSError, EOFError) as e:
             raise ShardError(url, f"not a readable gzip file ({e})") from None
-    samples, keys, cut = _parse(io.BytesIO(data), len(data))
+    samples, keys, cut = _parse(lambda offset, n: data[offset : offset + n], len(data))
     return Shard(url, samples, keys, data=data, truncated_at=cut)
 
 
-def _parse(f, size: int):
-    """(samples, keys, truncated_at) of the tar in file object `f` of `size` bytes."""
+def _parse(read_at, size: int):
+    """(samples, keys, truncated_at) of the tar of `size` bytes that `read_at(offset, n)` reads."""
     samples: list[dict] = []
     keys: list[str] = []
-    cut = None
-    try:
-        tar = tarfile.open(fileobj=f, mode="r:")
-    except tarfile.ReadError:
-        if size == 0:
-            return samples, keys, None  # an empty file: no samples, nothing broken
-        return samples, keys, 0
-    while True:
-        try:
-            member = tar.next()
-        except (tarfile.ReadError, EOFError, OSError):  # a header cut short or garbage after the last member
-            cut = tar.offset
-            break
-        if member is None:
-            break
-        if not member.isfile():
-            continue
-        if member.offset_data + member.size > size:  # the member's data runs past the end
-            cut = member.offset
-            break
-        match = _KEY.match(member.name)
-        if not match or os.path.basename(member.name).startswith("__"):
+    found, cut = members(read_at, size)
+    for name, offset, n in found:
+        match = _KEY.match(name)
+        if not match or os.path.basename(name).startswith("__"):
             continue
         key, ext = match.group(1), match.group(2).lower()
         if not keys or keys[-1] != key:
             keys.append(key)
             samples.append({})
-        samples[-1][ext] = (member.offset_data, member.size)
-    if cut is None and samples and tar.offset + 2 * tarfile.BLOCKSIZE > size:
-        cut = size  # no end-of-archive blocks (every tar writer adds two): cut between two members
-    if cut is not None and samples and keys:
+        samples[-1][ext] = (offset, n)
+    if cut is not None and samples:
         # the last sample before the cut may have lost members that followed it: drop it, it is incomplete
         samples.pop()
         keys.pop()
