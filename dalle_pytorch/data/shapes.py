@@ -170,6 +170,14 @@ class ShapesDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.length
 
+    def validation_split(self, n: int) -> ShapesDataset:
+        """`n` samples drawn with another seed: never trained on (--val_every without a validation folder)."""
+        return ShapesDataset(n, self.image_size, seed=self.seed + 1)
+
+    def heldout_split(self, n: int) -> ShapesDataset:
+        """`n` scenes whose colour-shape pairs the training split never shows (--val_heldout_captions)."""
+        return ShapesDataset(n, self.image_size, seed=self.seed + 2, split="heldout")
+
     def caption(self, index: int) -> str:
         return sample(self.seed, index, 16, self.split)[1]  # captions do not depend on the image size
 

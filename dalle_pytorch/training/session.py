@@ -12,7 +12,7 @@ import torch
 
 from distributed import make_backend, set_threads, topology_from_env
 
-from ..data.build import build_dataset, build_text_tokenizer, describe
+from ..data.build import build_text_tokenizer
 from .run_dir import RunDir
 
 
@@ -67,34 +67,6 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
     finally:
         run.close()
         backend.teardown()
-
-
-def rank_dataset(
-    cfg, backend, run, *, folder: str, folder_flag: str, wds: str, captions: bool, image_size: int, channels: int,
-    resize_ratio: float,
-):  # fmt: skip
-    """This rank's part of the trainers' data (data.build.build_dataset), said in the run's log: `folder` (given
-    as `folder_flag`) of images, or of image/caption pairs with `captions`; WebDataset shards with `wds`."""
-    dataset = build_dataset(
-        folder,
-        wds,
-        captions,
-        image_size,
-        channels,
-        resize_ratio,
-        rank=backend.rank,
-        world_size=backend.world_size,
-        seed=cfg.seed,
-        dataset_size=cfg.dataset_size,
-        folder_flag=folder_flag,
-        shard_retries=cfg.shard_retries,
-        max_bad_shards=cfg.max_bad_shards,
-    )
-    if isinstance(dataset, torch.utils.data.IterableDataset):  # streamed shards: their samples counted once
-        index = cfg.shards_index or os.path.join(run.path, "shards.json")
-        dataset.count(index, lambda counts: add_up(backend, counts), run.print)
-    run.print(f"data: {describe(dataset)} from {folder or 'the built-in synthetic dataset'}")
-    return dataset
 
 
 def add_up(backend, counts: list[int]) -> list[int]:

@@ -22,6 +22,7 @@ from ..models.vae import DiscreteVAE, VAEConfig
 from .batches import total_steps
 from .clip_task import CLIPTask
 from .dalle_task import DALLETask
+from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
 from .image_tokenizer import (
     check_same_tokenizer,
@@ -32,24 +33,20 @@ from .image_tokenizer import (
     tokenizer_flag,
 )
 from .loop import train
-from .session import rank_dataset, shared_text_tokenizer, training_session
+from .session import shared_text_tokenizer, training_session
 from .vae_task import VAETask
-from .validation import held_out, heldout_scenes
 
 
 def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
     """train_vae.py's run: `run_cfg` its VAERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
     configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
     with training_session(cfg, "vae", configs, backend_options) as (backend, recovery, run):
-        dataset = rank_dataset(
-            cfg, backend, run, folder=run_cfg.image_folder, folder_flag="--image_folder", wds=run_cfg.wds,
-            captions=False, image_size=model_cfg.image_size, channels=model_cfg.channels,
-            resize_ratio=run_cfg.resize_ratio,
+        spec = DataSpec(
+            run_cfg.image_folder, "--image_folder", run_cfg.wds, False, model_cfg.image_size, model_cfg.channels,
+            run_cfg.resize_ratio, run_cfg.val_image_folder, "--val_image_folder",
         )  # fmt: skip
-        dataset, val = held_out(
-            cfg, backend, dataset, folder=run_cfg.val_image_folder, folder_flag="--val_image_folder", captions=False,
-            image_size=model_cfg.image_size, channels=model_cfg.channels, resize_ratio=1.0,
-        )  # fmt: skip
+        data = datasets(spec, cfg, backend, run)
+        dataset, val = data.train, data.val
         # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
         anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
         task = VAETask(
@@ -85,15 +82,9 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
     with training_session(cfg, "dalle", configs, backend_options) as (backend, recovery, run):
-        pairs = rank_dataset(
-            cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
-            captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=run_cfg.resize_ratio,
-        )  # fmt: skip
-        heldout = heldout_scenes(pairs, run_cfg.val_heldout_captions, cfg, backend)
-        pairs, val_pairs = held_out(
-            cfg, backend, pairs, folder=run_cfg.val_image_text_folder, folder_flag="--val_image_text_folder",
-            captions=True, image_size=vae.image_size, channels=vae.channels, resize_ratio=1.0,
-        )  # fmt: skip
+        data = datasets(caption_spec(run_cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions), cfg,
+                        backend, run)  # fmt: skip
+        pairs, val_pairs, heldout = data.train, data.val, data.heldout
         if start is None:
             tokenizer = shared_text_tokenizer(flags, cfg, backend, recovery, run, pairs)
             model_cfg = dataclasses.replace(
@@ -133,6 +124,14 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> st
             run.print(f"truncated {dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
+
+
+def caption_spec(run_cfg, image_size: int, channels: int, heldout_captions: int = 0) -> DataSpec:
+    """The data flags of train_dalle.py and train_clip.py (CaptionDataConfig)."""
+    return DataSpec(
+        run_cfg.image_text_folder, "--image_text_folder", run_cfg.wds, True, image_size, channels,
+        run_cfg.resize_ratio, run_cfg.val_image_text_folder, "--val_image_text_folder", heldout_captions,
+    )  # fmt: skip
 
 
 def _recorded(run_dir: str, key: str) -> bool:
@@ -176,14 +175,8 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
     channels = fit["channels"] if fit else run_cfg.channels
     configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
     with training_session(cfg, "clip", configs, backend_options) as (backend, recovery, run):
-        pairs = rank_dataset(
-            cfg, backend, run, folder=run_cfg.image_text_folder, folder_flag="--image_text_folder", wds=run_cfg.wds,
-            captions=True, image_size=size, channels=channels, resize_ratio=run_cfg.resize_ratio,
-        )  # fmt: skip
-        pairs, val_pairs = held_out(
-            cfg, backend, pairs, folder=run_cfg.val_image_text_folder, folder_flag="--val_image_text_folder",
-            captions=True, image_size=size, channels=channels, resize_ratio=1.0,
-        )  # fmt: skip
+        data = datasets(caption_spec(run_cfg, size, channels), cfg, backend, run)
+        pairs, val_pairs = data.train, data.val
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])
         else:

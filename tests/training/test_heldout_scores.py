@@ -13,7 +13,7 @@ from arguments import TrainConfig
 from dalle_pytorch.data.shapes import ShapesDataset
 from dalle_pytorch.training import dalle_task
 from dalle_pytorch.training.dalle_task import DALLETask
-from dalle_pytorch.training.validation import heldout_scenes
+from dalle_pytorch.training.data import heldout_scenes
 
 
 class Captions:

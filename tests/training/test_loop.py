@@ -3,6 +3,7 @@ fork + Gloo (no launcher). The trainers' tests (test_trainers.py) run the same l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -315,27 +316,26 @@ def test_validation_loss_is_the_same_on_one_process_and_two_ranks(tmp_path):
 
 def test_held_out_samples_as_the_flags_say(tmp_path):
     from dalle_pytorch.data.shapes import ShapesDataset
-    from dalle_pytorch.training.validation import held_out
+    from dalle_pytorch.training.data import DataSpec, held_out
     from distributed import Topology, make_backend
 
     backend = make_backend("single", Topology("none"))
     data = ShapesDataset(100, 16)
-    kw = dict(folder="", folder_flag="--val_image_text_folder", captions=True, image_size=16, channels=3,
-              resize_ratio=1.0)  # fmt: skip
-    assert held_out(config(tmp_path), backend, data, **kw) == (data, None)
-    train, val = held_out(config(tmp_path, val_every=5, val_fraction=0.2), backend, data, **kw)
+    spec = DataSpec("", "--image_text_folder", "", True, 16, 3, 1.0)
+    assert held_out(config(tmp_path), backend, data, spec) == (data, None)
+    train, val = held_out(config(tmp_path, val_every=5, val_fraction=0.2), backend, data, spec)
     assert (len(train), len(val)) == (80, 20) and not set(train.indices) & set(val.indices)
     assert train.split == "train"  # still answers for the whole dataset
-    same, fresh = held_out(config(tmp_path, val_every=5, batch_size=4, val_batches=3), backend, data, **kw)
+    same, fresh = held_out(config(tmp_path, val_every=5, batch_size=4, val_batches=3), backend, data, spec)
     assert same is data and len(fresh) == 12 and fresh[0][1] != data[0][1]  # the built-in data: its own samples
     for overrides, message in (
         (dict(val_fraction=0.2), "--val_fraction is read every --val_every N steps"),
         (dict(val_every=5, val_fraction=1.5), "--val_fraction must be between 0 and 1"),
     ):
         with pytest.raises(ValueError, match=message):
-            held_out(config(tmp_path, **overrides), backend, data, **kw)
+            held_out(config(tmp_path, **overrides), backend, data, spec)
     with pytest.raises(ValueError, match="--val_image_text_folder is read every"):
-        held_out(config(tmp_path), backend, data, **{**kw, "folder": str(tmp_path)})
+        held_out(config(tmp_path), backend, data, dataclasses.replace(spec, val_folder=str(tmp_path)))
 
 
 def test_early_stopping_on_the_validation_loss(tmp_path, monkeypatch):
