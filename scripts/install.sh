@@ -11,6 +11,7 @@ HOROVOD_VERSION=0.28.1
 YTTM_VERSION=1.0.6
 TAMING_VERSION=0.0.6
 DALL_E_VERSION=0.1
+IMG2DATASET_VERSION=1.47
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 step() { echo "==> [install] $*"; }
@@ -100,6 +101,22 @@ if [ ! -f "$REFERENCE_DIR/.installed" ]; then
     touch "$REFERENCE_DIR/.installed"
   else
     echo "[install] warning: dalle-pytorch 1.6.6 did not install; tests/compat/test_reference.py compares with its fixture" >&2
+  fi
+fi
+
+# img2dataset 1.47, for tests/data/test_img2dataset.py only: a real client writes the shards that the trainers read.
+# A venv of its own, not .venv: its dependencies (pandas, pyarrow, opencv, albumentations, wandb) would move our pins.
+IMG2DATASET_DIR="$CACHE/img2dataset-$IMG2DATASET_VERSION"
+if [ ! -f "$IMG2DATASET_DIR/.installed" ]; then
+  step "img2dataset $IMG2DATASET_VERSION for tests/data/test_img2dataset.py (optional, a venv in $IMG2DATASET_DIR)"
+  rm -rf "$IMG2DATASET_DIR"
+  if "$PY" -m venv "$IMG2DATASET_DIR" \
+    && "$IMG2DATASET_DIR/bin/pip" install -q img2dataset==$IMG2DATASET_VERSION 2>&1 | { grep -v "^WARNING: Location" || true; } \
+    && NO_ALBUMENTATIONS_UPDATE=1 "$IMG2DATASET_DIR/bin/img2dataset" --help >/dev/null 2>&1; then
+    touch "$IMG2DATASET_DIR/.installed"
+  else
+    echo "[install] warning: img2dataset $IMG2DATASET_VERSION did not install (read the pip error above);" \
+      "tests/data/test_img2dataset.py skips" >&2
   fi
 fi
 
