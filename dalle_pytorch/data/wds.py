@@ -128,7 +128,9 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                 if shard is None:
                     yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
                 elif j >= len(shard):
-                    yield self._skip("missing_from_shard", self._short(shard, i))
+                    yield self._skip(
+                        "missing_from_shard", f"{shard.url}: no sample {j} (the shard changed since it was counted)"
+                    )
                 else:
                     yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
         finally:
@@ -136,21 +138,34 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                 shard.close()
 
     def _open(self, i: int):
-        """Shard i, or None when it cannot be read (said and counted), or the DataError that stops the run."""
+        """Shard i, or None when it cannot be read, or the DataError that stops the run. A shard unreadable, or
+        holding another number of samples than its index says (changed since it was counted), is said and counts
+        towards --max_bad_shards; of a changed one, the samples its index has room for are still read."""
         try:
-            return open_shard(self.shards[i], self.retries)
+            shard = open_shard(self.shards[i], self.retries)
         except ShardError as e:
-            warnings.warn(f"shard {e.url} is unreadable: {e.why}; its samples are skipped", stacklevel=2)
-            self._bad[i] = 1
-            bad = sum(self._bad)
-            if bad > self.max_bad_shards:
-                return DataError(_too_many(bad, len(self.shards), self.max_bad_shards, e.url))
-            return None
+            return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped")
+        if len(shard) != self._counts()[i]:
+            stop = self._bad_shard(i, self._changed(shard, i))
+            if stop is not None:
+                shard.close()
+                return stop
+        return shard
 
-    def _short(self, shard, i: int) -> str:
-        cut = f", truncated at byte {shard.truncated_at}" if shard.truncated_at is not None else ""
-        index = self._counts()[i]
-        return f"{shard.url} holds {len(shard)} samples{cut}, its index {index}: delete the index to count again"
+    def _bad_shard(self, i: int, what: str):
+        warnings.warn(what, stacklevel=3)
+        self._bad[i] = 1
+        bad = sum(self._bad)
+        if bad > self.max_bad_shards:
+            return DataError(_too_many(bad, len(self.shards), self.max_bad_shards, self.shards[i]))
+        return None
+
+    def _changed(self, shard, i: int) -> str:
+        cut = f" (truncated at byte {shard.truncated_at})" if shard.truncated_at is not None else ""
+        return (
+            f"shard {shard.url} holds {len(shard)} samples{cut}, its index {self._counts()[i]}: it changed since it "
+            "was counted; delete its entry in the index (--shards_index, or the run's shards.json) to count it again"
+        )
 
     def _decode(self, sample: dict, seed: str):
         rng = random.Random(seed)

@@ -208,3 +208,21 @@ def _rename_members(path: str, old: str, new: str) -> None:
 
 def _replace_members(path: str, ext: str, data: bytes) -> None:
     _rewrite(path, lambda name, old: (name, data if name.endswith(ext) else old))
+
+
+def test_a_shard_that_changed_since_it_was_counted_is_said_and_counts_as_bad(tmp_path):
+    paths = write_shards(tmp_path, 3, 4)
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, max_bad_shards=1)
+    ds.count(str(tmp_path / "index.json"))
+    write_shards(tmp_path, 1, [2])  # shard 0 rewritten with 2 samples
+    cfg, backend = _setup(1, 0, 0)
+    with pytest.warns(UserWarning, match=r"shard-0000.tar holds 2 samples, its index 4: it changed since it was"):
+        run = batches(ds, cfg, backend, Position())
+        got = [c for _ in range(5) for c in next(run)[1]]  # the epoch's 12 - 2 samples: batches of 2, one of 1 and 1
+    assert len(got) >= 8 and ds.skip_counts()["missing_from_shard"] == 2
+    strict = WebDatasetPairs(paths, "png,txt", 8, max_bad_shards=0)
+    strict.count(str(tmp_path / "index.json"))  # the old counts, from the index
+    with pytest.raises(wds.DataError, match=r"1 of 3 shards could not be read, more than --max_bad_shards 0"):
+        run = batches(strict, cfg, backend, Position())
+        for _ in range(6):  # the epoch's batches: shard 0 is among them
+            next(run)
