@@ -122,8 +122,9 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                     if shard is not None:
                         shard.close()
                     current, shard = i, self._open(i)
-                    if isinstance(shard, DataError):
-                        yield shard
+                    if isinstance(shard, DataError):  # a whole batch of it: drop_last never drops it
+                        for _ in range(plan.batch):
+                            yield shard
                         return
                 if shard is None:
                     yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
