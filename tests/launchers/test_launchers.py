@@ -404,3 +404,25 @@ def test_ema_resumes_across_backends(vae_path, ema_reference, tmp_path):
         out = launch(kind, "train_dalle.py", resumed)
         assert "step-00000002 at step 2" in out and "holds no EMA" not in out
         assert_same(ref, safe_load(str(tmp_path / name / "dalle" / "dalle.safetensors"))["ema"]["weights"])
+
+
+def test_streamed_shards_on_two_ranks_resume_on_one(tmp_path, capsys):
+    """torchrun, 2 ranks: the shards are counted by both (one collective) and each rank streams its part; stopped
+    after step 3, one process takes what the epoch had left (40 of 64 samples: 10 steps) and then a new epoch."""
+    import train_vae
+    from dalle_pytorch.data.shapes_export import export_wds
+
+    export_wds(str(tmp_path / "shards"), 64, image_size=16, per_shard=9)  # 8 shards, the last of 1
+    args = [*TINY_VAE, "--wds", "png", "--image_folder", str(tmp_path / "shards"), "--batch_size", "4",
+            "--save_every_n_steps", "3", "--sample_every", "0", "--output_dir", str(tmp_path)]  # fmt: skip
+    launch("torchrun", "train_vae.py", [*args, "--steps", "3"])
+    run = os.path.join(tmp_path, "vae")
+    with open(os.path.join(run, "shards.json")) as f:
+        assert sum(json.load(f)["samples"].values()) == 64
+    state = load_shared_file(step_dirs(os.path.join(run, "checkpoints"))[0])["state"]
+    assert state["samples_in_epoch"] == 24 and state["stream"]["ranks"] == 2
+    train_vae.main([*args, "--steps", "16", "--resume", "auto"])
+    assert "its 40 samples left go to 1 ranks x 1 workers with batch 4" in capsys.readouterr().out
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        epochs = {row["step"]: row["epoch"] for row in map(json.loads, f) if row.get("step", 0) > 3 and "epoch" in row}
+    assert [epochs[s] for s in range(4, 17)] == [0] * 10 + [1] * 3
