@@ -6,9 +6,9 @@ rank's and worker's part of it are arithmetic (shard_plan.py): a resumed run sta
 without reading what it skips, at the same or another world size. A sample's augmentation and caption choice
 are seeded by (seed, epoch, shard, sample), so it comes out the same whichever worker reads it.
 
-Nothing is lost silently: an unreadable sample yields None (the batch is one smaller), counted by reason and
-said in a warning; a shard that cannot be read at all is named, and more than --max_bad_shards of them stop the
-run with a line that says so.
+Nothing is lost silently: an unreadable sample yields None (its batch takes another of its samples twice),
+counted by reason and said in a warning; a shard that cannot be read at all is named, and more than
+--max_bad_shards of them stop the run with a line that says so.
 """
 
 from __future__ import annotations

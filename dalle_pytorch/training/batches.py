@@ -102,12 +102,16 @@ def stream_plan(dataset, cfg, backend, pos, say=print) -> Plan:
 
 
 def _collate(items: list):
-    """A batch of the samples that could be read (None: a skipped one); a worker's DataError is raised here."""
+    """A batch of the samples that could be read (None: a skipped one, already counted), its size kept by taking
+    the batch's good samples again in the skipped ones' places: every rank's batch has --batch_size samples, as
+    CLIP's gather across ranks needs. A worker's DataError is raised here."""
     for item in items:
         if isinstance(item, DataError):
             raise item
     kept = [item for item in items if item is not None]
-    return torch.utils.data.default_collate(kept) if kept else None
+    if not kept:
+        return None
+    return torch.utils.data.default_collate([kept[i % len(kept)] for i in range(len(items))])
 
 
 def batches(dataset, cfg, backend, pos, say=print):

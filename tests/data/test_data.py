@@ -106,7 +106,7 @@ def test_webdataset_corrupt_sample_skipped(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     ds = WebDatasetPairs(str(path), "png,txt", 16)
     with pytest.warns(UserWarning, match="skipping an unreadable"):
-        assert list(ds) == [None]  # a skipped sample's place: its batch is one smaller
+        assert list(ds) == [None]  # a skipped sample's place (its batch fills it)
     assert ds.num_skipped == 1 and ds.skip_counts()["bad_image"] == 1
 
 
