@@ -1,17 +1,17 @@
 """DALLE's training step fed on the fly (JPEG shards: decode, crop, caption tokens, the VAE on the batch) against
 pre-encoded token shards (`codes.npy,txt`), at the demo's shape and at OpenAI's dVAE shape, in one run.
 
-    .venv/bin/python bench/data_pipeline.py           # batch 8 at both shapes; about 10 minutes the first time
-    .venv/bin/python bench/data_pipeline.py --quick   # fewer steps, batch 2 at 256 px: about 2 minutes
+    .venv/bin/python bench/data_pipeline.py           # batch 8 at both shapes: about 3 minutes (+3 to encode once)
+    .venv/bin/python bench/data_pipeline.py --quick   # fewer steps, batch 2 at 256 px: under a minute
 
 Both paths run what training runs: WebDatasetPairs wrapped in data.tokenized, training.batches.batches (the
 DataLoader), DALLETask.prepare_batch (the VAE's get_codebook_indices on a batch of images; codes pass through),
 then forward + backward + AdamW in fp32. The token shards come from training.encode.encode_shards over the same
 JPEG shards. Shards and token shards are made once under --data and reused (the token shards are keyed by the
-VAE's fingerprint: its random weights are seeded, so the same on this machine). With --num_workers 0 the two
-paths alternate step by step, so a slow spell of this shared machine falls on both. Then one DataLoader
-worker's images/s (the dataset's own __iter__ on one thread) beside the images/s the step alone takes, and
-the workers needed to keep up.
+VAE's fingerprint: its random weights are seeded, so the same on this machine). The two paths take turns (step
+by step with num_workers 0, in blocks with 2 workers) and medians are printed, so that a slow spell of this
+shared machine falls on both and moves neither much. Then one DataLoader worker's images/s (the dataset's own
+__iter__ on one thread) beside the images/s the step alone takes, and the workers needed to keep up.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class Shape:
     per_shard: int
     batch: int
     dalle: dict  # DALLEConfig's shape flags
-    vae_desc: str = ""
 
 
 def shapes(quick: bool) -> list[Shape]:
@@ -74,16 +73,16 @@ def shapes(quick: bool) -> list[Shape]:
 
 
 def build_vae(shape: Shape):
-    torch.manual_seed(0)  # random weights, the same every run: the token shards' cache key stays valid
+    """(VAE, its fingerprint, what it is) with random weights, the same every run (the token shards' cache key)."""
+    torch.manual_seed(0)
     if shape.name == "demo":
         vae = DiscreteVAE(VAEConfig())
-        config = vae.cfg.to_dict()
-        shape.vae_desc = "our DiscreteVAE at train_vae.py's defaults"
-    else:
-        vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(), image_size=256)  # models/openai_dvae.py, random weights
+        config, what = vae.cfg.to_dict(), "our DiscreteVAE at train_vae.py's defaults"
+    else:  # built without a download: the architecture is ours (models/openai_dvae.py), only the weights are OpenAI's
+        vae = OpenAIDiscreteVAE(OpenAIDVAEConfig(), image_size=256)
         config = {**vae.cfg.to_dict(), "image_size": 256}
-        shape.vae_desc = "OpenAI's dVAE encoder architecture (models/openai_dvae.py), random weights"
-    return vae.eval(), fingerprint(config, vae.state_dict())
+        what = "OpenAI's dVAE (models/openai_dvae.py: its encoder and decoder), random weights"
+    return vae.eval(), fingerprint(config, vae.state_dict()), what
 
 
 # ------------------------------------------------------------------------------------------ the shards
@@ -166,45 +165,47 @@ class Stream:
         if keep:
             self.times.append((t1 - t0, t2 - t1, t3 - t2))
 
-    def mean(self) -> tuple[float, float, float]:
-        return tuple(statistics.fmean(t[k] for t in self.times) for k in range(3))
+    def medians(self) -> tuple[float, float, float, float]:
+        """(data, VAE, model, whole step) seconds: medians over the kept steps (a slow spell of the shared
+        machine moves a mean, hardly a median)."""
+        whole = [sum(t) for t in self.times]
+        return (*(statistics.median(t[k] for t in self.times) for k in range(3)), statistics.median(whole))
 
     def close(self) -> None:
         self.batches.close()  # the DataLoader's workers stop here
 
 
-def line(label: str, times: tuple[float, float, float], batch: int) -> str:
-    data, vae, model = times
-    total = data + vae + model
+def line(label: str, times: tuple[float, float, float, float], batch: int) -> str:
+    data, vae, model, total = times
     parts = f"data {data * 1e3:7.1f} ms ({data / total:3.0%})"
     if vae > 1e-3:
-        parts += f" + VAE {vae * 1e3:7.1f} ms ({vae / total:3.0%})"
+        parts += f", VAE {vae * 1e3:7.1f} ms ({vae / total:3.0%})"
     return (
-        f"    {label:<12}: step {total * 1e3:8.1f} ms = {parts} + model {model * 1e3:7.1f} ms "
-        f"({model / total:3.0%}), {batch / total:6.1f} images/s"
+        f"    {label:<12}: step {total * 1e3:8.1f} ms: {parts}, model {model * 1e3:7.1f} ms "
+        f"({model / total:4.0%}); {batch / total:6.1f} images/s"
     )
 
 
 def compare(shape: Shape, onfly, encoded, task, opt, workers: int, warmup: int, steps: int, seed: int):
-    """Mean (data, VAE, model) seconds per step of the two paths: alternated step by step without workers; one
-    after the other with workers (each path's workers would otherwise prefetch while the other trains)."""
-    make = [lambda: Stream(onfly(), task, opt, shape.batch, workers, seed),
-            lambda: Stream(encoded(), task, opt, shape.batch, workers, seed)]  # fmt: skip
-    if workers == 0:
-        streams = [m() for m in make]
-        for i in range(warmup + steps):
-            for s in streams:
-                s.step(keep=i >= warmup)
-    else:
-        streams = []
-        for m in make:
-            s = m()
-            for i in range(warmup + steps):
-                s.step(keep=i >= warmup)
-            streams.append(s)
+    """Median (data, VAE, model, step) seconds of the two paths, both streams open and taking turns: step by
+    step without workers; with workers in blocks of up to 10 steps, so that each block's batches are mostly
+    decoded during that block (a path's workers stop once they have prefetched 2 batches each)."""
+    streams = [Stream(onfly(), task, opt, shape.batch, workers, seed),
+               Stream(encoded(), task, opt, shape.batch, workers, seed)]  # fmt: skip
+    block = 1 if workers == 0 else min(steps, 10)
+    for s in streams:
+        for _ in range(warmup):
+            s.step(keep=False)
+    done = 0
+    while done < steps:
+        n = min(block, steps - done)
+        for s in streams:
+            for _ in range(n):
+                s.step()
+        done += n
     for s in streams:
         s.close()
-    return [s.mean() for s in streams]
+    return [s.medians() for s in streams]
 
 
 # ------------------------------------------------------------------------------------------ one worker
@@ -233,6 +234,14 @@ def worker_rate(dataset, n: int) -> float:
     return n / dt
 
 
+def caption_seconds(tokenizer, captions: list[str], text_seq_len: int) -> float:
+    """Seconds to tokenize one caption as tokenized() does it, alone."""
+    t = time.perf_counter()
+    for c in captions:
+        tokenizer.tokenize(c, text_seq_len)
+    return (time.perf_counter() - t) / len(captions)
+
+
 @contextlib.contextmanager
 def silenced():
     """stdout and stderr at the file descriptors: YouTokenToMe's training prints from C++."""
@@ -259,7 +268,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     seed = 42
     # (warmup, timed) steps per path: at 256 px an on-the-fly step is the VAE's ~270 GFLOP per image
-    steps = {"demo": (2, 5), "dvae": (1, 1)} if args.quick else {"demo": (3, 20), "dvae": (1, 2)}
+    steps = {"demo": (2, 6), "dvae": (1, 1)} if args.quick else {"demo": (3, 30), "dvae": (1, 2)}
     rate_n = 100 if args.quick else 400
     torch.set_num_threads(args.threads)
 
@@ -274,7 +283,7 @@ def main(argv=None):
     consumption, loaders = {}, {}
     for shape in all_shapes:
         urls, index = jpegs[shape.name]
-        vae, vae_id = build_vae(shape)
+        vae, vae_id, vae_what = build_vae(shape)
         token_dir, encoded_line = token_shards(args.data, shape, urls, vae, vae_id)
         cfg = DALLEConfig(**shape.dalle, num_text_tokens=tokenizer.vocab_size, num_image_tokens=vae.num_tokens,
                           image_fmap_size=vae.fmap_size)  # fmt: skip
@@ -285,7 +294,7 @@ def main(argv=None):
         n_params = sum(p.numel() for p in dalle.parameters())
         mean_jpeg = mean_image_bytes(urls[0])
         print(f"\nshape {shape.name}: {shape.image_size} px images as {vae.fmap_size}x{vae.fmap_size} tokens of "
-              f"{vae.num_tokens} codes; {shape.vae_desc}, {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M "
+              f"{vae.num_tokens} codes; {vae_what}, {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M "
               f"parameters")  # fmt: skip
         print(
             f"  DALLE dim {cfg.dim}, depth {cfg.depth}, heads {cfg.heads}, dim_head {cfg.dim_head}, sequence "
@@ -306,20 +315,23 @@ def main(argv=None):
 
         warmup, timed = steps[shape.name]
         for workers in (0, 2):
-            how = "alternated step by step" if workers == 0 else "one path after the other"
-            print(f"  num_workers {workers} ({how}; {warmup} warm-up + {timed} timed steps each, means):")
+            how = "step by step" if workers == 0 else f"in blocks of up to {min(timed, 10)} steps"
+            print(
+                f"  num_workers {workers} (the paths take turns {how}; {warmup} warm-up + {timed} timed steps "
+                "each, medians):"
+            )
             fly, enc = compare(shape, onfly, encoded, task, opt, workers, warmup, timed, seed)
             print(line("on the fly", fly, shape.batch))
             print(line("pre-encoded", enc, shape.batch))
             print(
-                f"    on the fly / pre-encoded: {sum(fly) / sum(enc):.2f}x the step time; data + VAE "
-                f"{(fly[0] + fly[1]) / sum(fly):.0%} of the on-the-fly step"
+                f"    on the fly / pre-encoded: {fly[3] / enc[3]:.2f}x the step time; data + VAE "
+                f"{(fly[0] + fly[1]) / fly[3]:.0%} of the on-the-fly step"
             )
             if workers == 0:
                 consumption[shape.name] = shape.batch / enc[2]
         loaders[shape.name] = {
             "jpg": worker_rate(onfly(), rate_n),
-            "jpg, no captions": worker_rate(onfly().base, rate_n),
+            "captions": caption_seconds(tokenizer, captions, shape.dalle["text_seq_len"]),
             "codes": worker_rate(encoded(), rate_n),
         }
 
@@ -332,7 +344,7 @@ def main(argv=None):
         print(
             f"  {shape.name} ({shape.image_size} px, batch {shape.batch}): the step takes {need:7.1f} images/s; "
             f"a worker gives JPEG {r['jpg']:6.0f} images/s ({1e3 / r['jpg']:.2f} ms each, of which caption tokens "
-            f"{1e3 / r['jpg'] - 1e3 / r['jpg, no captions']:.2f} ms), codes.npy {r['codes']:6.0f} images/s; "
+            f"{r['captions'] * 1e3:.2f} ms), codes.npy {r['codes']:6.0f} images/s; "
             f"workers to keep up: JPEG {math.ceil(need / r['jpg'])}, codes {math.ceil(need / r['codes'])}"
         )
 
