@@ -62,3 +62,20 @@ def model_config(args) -> DALLEConfig:
 def matmul_params(model) -> int:
     """Parameters used in matmuls: all but the embedding tables and the bos vector (lookups, not FLOPs)."""
     return sum(p.numel() for n, p in model.named_parameters() if not ("emb" in n or "pos" in n or n == "bos"))
+
+
+def one_worker_rate(items, n: int) -> float:
+    """Items/s of the iterator `items` on one torch thread, as a DataLoader worker runs it; its first item (the
+    first-use costs: imports, the first shard's open) left out."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        next(items)
+        t = time.perf_counter()
+        for _ in range(n):
+            next(items)
+        dt = time.perf_counter() - t
+        items.close()
+    finally:
+        torch.set_num_threads(threads)
+    return n / dt

@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import common  # noqa: F401 - puts the repository on sys.path
 import numpy as np
 import torch
 import webdataset
+from common import one_worker_rate  # common puts the repository on sys.path
 from PIL import Image
 from stream_resume import NOISE, cpu_model, quiet
 
@@ -219,19 +219,7 @@ def worker_rate(dataset, n: int) -> float:
         while True:
             yield from dataset
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        items = forever()
-        next(items)
-        t = time.perf_counter()
-        for _ in range(n):
-            next(items)
-        dt = time.perf_counter() - t
-        items.close()
-    finally:
-        torch.set_num_threads(threads)
-    return n / dt
+    return one_worker_rate(forever(), n)
 
 
 def caption_seconds(tokenizer, captions: list[str], text_seq_len: int) -> float:

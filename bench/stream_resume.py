@@ -25,9 +25,9 @@ import subprocess
 import time
 from types import SimpleNamespace
 
-import common  # noqa: F401 - puts the repository on sys.path
 import numpy as np
 import torch
+from common import one_worker_rate  # common puts the repository on sys.path
 from PIL import Image
 
 from dalle_pytorch.data import shard_plan
@@ -178,19 +178,7 @@ def worker_rate(urls, index, image_size: int, n: int, seed: int) -> float:
     thread as in a DataLoader worker; shard opens included."""
     dataset = WebDatasetPairs(urls, "jpg,txt", image_size, resize_ratio=0.75, seed=seed)
     dataset.count(index, say=quiet)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # DataLoader workers run on one thread each
-    try:
-        items = iter(dataset)
-        next(items)  # first-use costs (imports, the first shard's open) outside the rate
-        t = time.perf_counter()
-        for _ in range(n):
-            next(items)
-        dt = time.perf_counter() - t
-        items.close()
-    finally:
-        torch.set_num_threads(threads)
-    return n / dt
+    return one_worker_rate(iter(dataset), n)
 
 
 def main(argv=None):
