@@ -86,6 +86,9 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         """Count the samples of every shard (kept in `index_path`); `add_up`: the sum over ranks, a collective."""
         self.counts = count_shards(self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say)
         bad = [u for u, n in zip(self.shards, self.counts) if n == UNREADABLE]
+        if self.rank == 0:  # counted in the metrics once, not by every rank
+            for i, n in enumerate(self.counts):
+                self._bad[i] = int(n == UNREADABLE)
         if bad and self.num_samples and len(bad) > self.max_bad_shards:
             raise DataError(_too_many(len(bad), len(self.shards), self.max_bad_shards, bad[0]))
 
@@ -190,6 +193,11 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
     def skip_counts(self) -> dict[str, int]:
         """Samples skipped so far in this process and its workers, by reason."""
         return dict(zip(REASONS, self._skips[:]))
+
+    def data_counts(self) -> dict[str, int]:
+        """What the run's metrics add up over the ranks: the skipped samples by reason, and the shards found
+        unreadable or changed (rank 0 counts those of the index)."""
+        return {**{f"skipped_{k}": v for k, v in self.skip_counts().items()}, "bad_shards": sum(self._bad)}
 
     @property
     def num_skipped(self) -> int:

@@ -46,7 +46,7 @@ class MetricWindow:
         elapsed = time.perf_counter() - self.t0
         memory = torch.zeros(b.world_size)
         memory[b.rank] = peak_memory_mb(b.device)
-        skips = self.task.dataset.skip_counts() if hasattr(self.task.dataset, "skip_counts") else {}
+        skips = self.task.dataset.data_counts() if hasattr(self.task.dataset, "data_counts") else {}
         means = torch.stack([self.sums[k] / self.count for k in names]) / b.world_size
         extra = torch.tensor([self.wait / elapsed / b.world_size, *skips.values()], dtype=torch.float64)
         local = torch.cat([means, memory.to(b.device), extra.to(means.dtype).to(b.device)])
@@ -69,7 +69,7 @@ class MetricWindow:
             images_per_s_per_rank=images_per_s / b.world_size,
             tokens_per_s=images_per_s * self.task.tokens_per_sample,
             data_wait_share=wait_share,
-            **{f"skipped_{reason}": round(v) for reason, v in zip(skips, skipped)},
+            **{name: round(v) for name, v in zip(skips, skipped)},
         )
         self.run.log_metrics(pos.step, row)
         if bar is not None:

@@ -3,6 +3,7 @@ server: every sample arrives once, and training ends with the weights it gets fr
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -107,4 +108,6 @@ def test_unreadable_shards_past_the_limit_stop_the_run_in_one_line(tmp_path, cap
         err = capsys.readouterr()
         assert "shard-000003.tar is unreadable: HTTP 404 Not Found; it is left out" in err.out
         assert "error: 1 of 4 shards could not be read, more than --max_bad_shards 0" in err.err
-        train_vae.main([*args, "--output_dir", str(tmp_path / "b"), "--max_bad_shards", "1"])  # allowed: it trains
+        train_vae.main([*args, "--output_dir", str(tmp_path / "b"), "--max_bad_shards", "1", "--log_every", "1"])
+    with open(tmp_path / "b" / "vae" / "metrics.jsonl") as f:
+        assert json.loads(f.readlines()[-1])["bad_shards"] == 1  # allowed, trained, and counted
