@@ -49,9 +49,10 @@ def caption_lines(sample: dict, key: str) -> list[str]:
     return lines
 
 
-def image_of(sample: dict, key: str, transform, mode: str, seed: int) -> torch.Tensor:
+def image_of(sample: dict, key: str, transform, mode: str, seed: int | None) -> torch.Tensor:
     """The image under `key` as a (c, h, w) float tensor, its random crop drawn from `seed` (the same in any
-    worker and at any resume); a pre-encoded shard's `codes.npy`: the (fmap^2,) long tensor of its codes."""
+    worker and at any resume; None: a transform without randomness, safe in threads); a pre-encoded shard's
+    `codes.npy`: the (fmap^2,) long tensor of its codes."""
     raw = need(sample, key)
     if key == CODES_KEY:
         import numpy as np
@@ -63,8 +64,11 @@ def image_of(sample: dict, key: str, transform, mode: str, seed: int) -> torch.T
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(raw)) as img, torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)  # the CPU's only: torch.manual_seed would reseed CUDA too
-            return transform(img.convert(mode))
+        with Image.open(io.BytesIO(raw)) as img:
+            if seed is None:
+                return transform(img.convert(mode))
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(seed)  # the CPU's only: torch.manual_seed would reseed CUDA too
+                return transform(img.convert(mode))
     except Exception as e:  # noqa: BLE001 - any broken image is skipped and counted, never fatal
         raise Skip("bad_image", f"{sample['__key__']}: {type(e).__name__}: {e}") from None

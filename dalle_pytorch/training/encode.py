@@ -17,12 +17,14 @@ the training's index is made without reading it), so a restarted job redoes only
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
 import sys
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -73,8 +75,10 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
 
 
 @torch.no_grad()
-def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transform, mode: str, batch_size: int):
-    """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest`."""
+def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transform, mode: str, batch_size: int,
+                 threads: int = 4):  # fmt: skip
+    """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest`; the
+    images are decoded in `threads` threads ahead of the VAE (PIL and torch's ops release the GIL)."""
     device = next(vae.parameters()).device
     skipped = dict.fromkeys(REASONS, 0)
     tmp = f"{dest}.tmp{os.getpid()}"
@@ -92,14 +96,18 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
                 _add(tar, f"{key}.txt", caption)
             pending.clear()
 
-        for j in range(len(shard)):
-            sample = shard.read(j)
+        def decode(sample):
             try:  # every line of the caption (img2dataset's json records: their caption), as UTF-8 text
                 caption = "\n".join(caption_lines(sample, caption_key)).encode() if caption_key else b""
-                pending.append((sample["__key__"], caption, image_of(sample, image_key, transform, mode, 0)))
+                return sample["__key__"], caption, image_of(sample, image_key, transform, mode, None)
             except Skip as e:
-                skipped[e.reason] += 1
+                return e
+
+        for item in _ahead(decode, (shard.read(j) for j in range(len(shard))), 2 * batch_size, threads):
+            if isinstance(item, Skip):
+                skipped[item.reason] += 1
                 continue
+            pending.append(item)
             n += 1
             if len(pending) == batch_size:
                 flush()
@@ -168,6 +176,18 @@ def check_codes(folder_or_urls: str, vae_id: str) -> None:
 
 def _path(out: str, i: int, ext: str) -> str:
     return os.path.join(out, f"tokens-{i:06d}{ext}")
+
+
+def _ahead(fn, items, depth: int, threads: int):
+    """fn(item) for each item, in order, up to `depth` of them computed ahead in a thread pool."""
+    with ThreadPoolExecutor(threads) as pool:
+        queue = collections.deque()
+        for item in items:
+            queue.append(pool.submit(fn, item))
+            if len(queue) >= depth:
+                yield queue.popleft().result()
+        while queue:
+            yield queue.popleft().result()
 
 
 def check_meta(out: str, vae_id: str) -> None:
