@@ -115,6 +115,12 @@ class TrainConfig:
             check_decay(self.ema)
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist_timeout must be a positive number of seconds (got {self.dist_timeout:g})")
+        if self.shard_retries < 0:
+            raise ValueError(f"--shard_retries must be >= 0 (got {self.shard_retries})")
+        if self.max_bad_shards < -1:
+            raise ValueError(
+                f"--max_bad_shards must be >= 0, or -1 for 1 in 100 of the shards (got {self.max_bad_shards})"
+            )
 
     def check_elastic(self) -> None:
         """What must not depend on the number of workers, since workers come and go and joiners compute it anew."""

@@ -54,44 +54,53 @@ def count_shards(
 ) -> list[int]:
     """Samples per shard of `urls` (UNREADABLE where it could not be read), the same on every rank.
 
-    `add_up`: the sum of a list of ints over the ranks (a collective: every rank calls this function); without
-    it, this process counts every shard itself."""
-    known = read_index(index_path)
+    `add_up`: the sum of a list of ints over the ranks (a collective: every rank calls this function as often as
+    the others); without it, this process counts every shard itself. Only rank 0 reads and writes the index."""
+    known = read_index(index_path) if rank == 0 or add_up is None else {}
     counts = [known.get(u, _MISSING) for u in urls]
-    if add_up is not None:  # rank 0's reading of the index, on every rank (it may write the file meanwhile)
+    if add_up is not None:  # rank 0's reading of the index, on every rank
         counts = add_up(counts if rank == 0 else [0] * len(urls))
     missing = [i for i, n in enumerate(counts) if n == _MISSING]
+    if not missing:
+        return counts
     mine = missing[rank::world_size] if add_up is not None else missing
-    counted = [0] * len(urls)
+    counted, truncated = [0] * len(urls), [0] * len(urls)
     if mine:
         with ThreadPoolExecutor(min(threads, len(mine))) as pool:
-            for i, n in zip(mine, pool.map(lambda i: _count(urls[i], retries, say), mine)):
-                counted[i] = n
-    if missing:
-        counted = add_up(counted) if add_up is not None else counted
-        counts = [counted[i] if n == _MISSING else n for i, n in enumerate(counts)]
-    if rank == 0 and missing and index_path:
-        known.update({u: n for u, n in zip(urls, counts) if n != UNREADABLE})
+            for i, (n, cut) in zip(mine, pool.map(lambda i: _count(urls[i], retries, say), mine)):
+                counted[i], truncated[i] = n, int(cut)
+    if add_up is not None:
+        both = add_up(counted + truncated)
+        counted, truncated = both[: len(urls)], both[len(urls) :]
+    counts = [counted[i] if n == _MISSING else n for i, n in enumerate(counts)]
+    if rank == 0 and index_path:
+        # an unreadable or truncated shard is not kept: the next run counts it again (a transfer cut short, a
+        # shard being written, repaired since)
+        known.update({urls[i]: counts[i] for i in missing if counts[i] >= 0 and not truncated[i]})
         write_index(index_path, known)
         say(f"counted the samples of {len(missing)} shards: {index_path}")
     return counts
 
 
-def _count(url: str, retries: int, say: Callable[[str], None]) -> int:
+def _count(url: str, retries: int, say: Callable[[str], None]) -> tuple[int, bool]:
+    """(samples, whether the shard is truncated); UNREADABLE samples for a shard that cannot be read at all."""
     stats = _stats_count(url)
     if stats is not None:
-        return stats
+        return stats, False
     try:
         shard = open_shard(url, retries)
     except ShardError as e:
         say(f"warning: shard {e.url} is unreadable: {e.why}; it is left out")
-        return UNREADABLE
+        return UNREADABLE, False
+    except Exception as e:  # noqa: BLE001 - whatever a damaged shard raises, this rank must reach the collective
+        say(f"warning: shard {url} is unreadable: {type(e).__name__}: {e}; it is left out")
+        return UNREADABLE, False
     shard.close()
     if shard.truncated_at is not None:
         say(f"warning: shard {url} is truncated at byte {shard.truncated_at}: {len(shard)} complete samples before it")
     elif len(shard) == 0:
         say(f"warning: shard {url} holds no samples (an empty tar)")
-    return len(shard)
+    return len(shard), shard.truncated_at is not None
 
 
 def _stats_count(url: str) -> int | None:

@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 
 from .tar_members import members
@@ -96,7 +97,7 @@ def shard_from_bytes(url: str, data: bytes) -> Shard:
     if data[:2] == b"\x1f\x8b":
         try:
             data = gzip.decompress(data)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:
             raise ShardError(url, f"not a readable gzip file ({e})") from None
     samples, keys, cut = _parse(lambda offset, n: data[offset : offset + n], len(data))
     return Shard(url, samples, keys, data=data, truncated_at=cut)
@@ -141,24 +142,42 @@ def _run_pipe(url: str) -> bytes:
 
 def fetch(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S, timeout: float = TIMEOUT_S) -> bytes:
     """The whole body at `url`. A failed or cut transfer is retried after a growing wait; after a cut, the next
-    request asks for the rest only (Range: bytes=N-), so a flaky server costs the bytes lost, not the shard.
+    request asks for the rest only (Range: bytes=N-, If-Range: the first answer's ETag or Last-Modified), so a
+    flaky server costs the bytes lost, not the shard, and a file replaced meanwhile is read again from its start.
     4xx answers (but 408 and 429) are final: retrying a missing file does not make it appear."""
-    buf = bytearray()
-    failures = 0
+    body = _Body()
+    failures = attempts = 0
     while True:
-        got = len(buf)
+        got = len(body.buf)
+        attempts += 1
         try:
-            _get(url, buf, timeout)
-            return bytes(buf)
+            _get(url, body, timeout)
+            return bytes(body.buf)
         except _Final as e:
             raise ShardError(url, str(e)) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError, _Retry) as e:
             why = _why(e)
-        failures = 0 if len(buf) > got else failures + 1  # a transfer that moved forward is not a failure
-        if failures > retries:
-            where = f" (after {len(buf)} bytes)" if buf else ""
-            raise ShardError(url, f"{why}{where}, still failing after {retries} retries") from None
+        failures = 0 if len(body.buf) > got else failures + 1  # a transfer that moved forward is not a failure
+        if failures > retries or attempts > MAX_ATTEMPTS:
+            where = f" (after {len(body.buf)} bytes)" if body.buf else ""
+            raise ShardError(url, f"{why}{where}, still failing after {attempts - 1} retries") from None
         time.sleep(min(backoff * 2 ** max(failures - 1, 0), MAX_WAIT_S))
+
+
+MAX_ATTEMPTS = 100  # requests for one body at most, however each moved forward
+
+
+class _Body:
+    """What the requests for one body have received: the bytes, its length, the validator of its version."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.total: int | None = None
+        self.validator: str | None = None
+
+    def restart(self, total: int | None, validator: str | None) -> None:
+        del self.buf[:]
+        self.total, self.validator = total, validator
 
 
 class _Final(Exception):
@@ -169,31 +188,41 @@ class _Retry(Exception):
     pass
 
 
-def _get(url: str, buf: bytearray, timeout: float) -> None:
-    """One request for the bytes of `url` from len(buf) on, appended to `buf` as they arrive."""
-    start = len(buf)
-    request = urllib.request.Request(url, headers={"Range": f"bytes={start}-"} if start else {})
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-\d+/(\d+|\*)")
+
+
+def _get(url: str, body: _Body, timeout: float) -> None:
+    """One request for the bytes of `url` from len(body.buf) on, appended to it as they arrive."""
+    start = len(body.buf)
+    headers = {"Range": f"bytes={start}-"} if start else {}
+    if start and body.validator:
+        headers["If-Range"] = body.validator
     try:
-        response = urllib.request.urlopen(request, timeout=timeout)
+        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
     except urllib.error.HTTPError as e:
-        if e.code == 416 and start:  # nothing after the byte reached: the cut fell exactly at the end
+        if e.code == 416 and start and body.total in (None, start):  # nothing after the byte reached: the end
             return
         if 400 <= e.code < 500 and e.code not in (408, 429):
             raise _Final(f"HTTP {e.code} {e.reason}") from None
         raise _Retry(f"HTTP {e.code} {e.reason}") from None
     with response:
-        if start and response.status != 206:  # the server ignored the range: take the body from its start
-            del buf[:]
-            start = 0
         length = response.headers.get("Content-Length")
-        expected = start + int(length) if length is not None else None
+        validator = response.headers.get("ETag") or response.headers.get("Last-Modified")
+        if response.status == 206:
+            match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+            total = int(match.group(2)) if match and match.group(2) != "*" else None
+            if not match or int(match.group(1)) != start or (total is not None and total != body.total):
+                body.restart(None, None)  # another part, or another version of the file: from the start again
+                raise _Retry(f"the server answered the range from byte {start} with {match and match.group(0)}")
+        else:  # the whole body: the first answer, or the server ignored the range (or the file changed)
+            body.restart(int(length) if length is not None else None, validator)
         while True:
             chunk = response.read(1 << 20)
             if not chunk:
                 break
-            buf += chunk
-    if expected is not None and len(buf) < expected:
-        raise _Retry(f"the response was cut at byte {len(buf)} of {expected}")
+            body.buf += chunk
+    if body.total is not None and len(body.buf) < body.total:
+        raise _Retry(f"the response was cut at byte {len(body.buf)} of {body.total}")
 
 
 def _why(e: BaseException) -> str:

@@ -17,20 +17,29 @@ def members(read_at: Callable[[int, int], bytes], size: int) -> tuple[list[tuple
     of `size` bytes. truncated_at is None for a whole archive (ended by its zero blocks, or empty), else the byte
     where the last complete member ends and damage or the end of the data begins."""
     out: list[tuple[str, int, int]] = []
+    try:
+        cut = _walk(read_at, size, out)
+    except ValueError:  # a number field or pax record that is not one: damage where the walk stood
+        cut = out[-1][1] + out[-1][2] if out else 0
+    return out, cut
+
+
+def _walk(read_at, size: int, out: list) -> int | None:
+    """Appends the members to `out`; returns truncated_at."""
     offset, long_name = 0, None
     while True:
         if offset + BLOCK > size:
-            return out, (None if size == 0 else offset)  # no end-of-archive blocks: cut between or in a header
+            return None if size == 0 else offset  # no end-of-archive blocks: cut between or in a header
         header = read_at(offset, BLOCK)
         if header[0] == 0 and header.count(0) == BLOCK:
-            return out, None  # the end-of-archive block
+            return None  # the end-of-archive block
         if header[257:262] != b"ustar" and not _checksum_ok(header):  # the sum only where the magic is missing
-            return out, offset  # garbage where a header should be
+            return offset  # garbage where a header should be
         n = _number(header[124:136])
         kind = header[156:157]
         data, end = offset + BLOCK, offset + BLOCK + (n + BLOCK - 1) // BLOCK * BLOCK
         if data + n > size:
-            return out, offset  # the member's data runs past the end
+            return offset  # the member's data runs past the end
         if kind == b"L":  # GNU: the next member's long name
             long_name = read_at(data, n).rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif kind == b"x":  # pax: records for the next member, its path among them
@@ -75,6 +84,8 @@ def _pax_path(records: bytes) -> str | None:
         if space < 0:
             break
         length = int(records[i:space])
+        if length <= space - i or i + length > len(records):
+            raise ValueError(f"a pax record of length {length} at {i}")
         key, _, value = records[space + 1 : i + length - 1].partition(b"=")
         if key == b"path":
             path = value.decode("utf-8", "surrogateescape")

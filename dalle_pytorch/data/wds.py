@@ -13,6 +13,8 @@ counted by reason and said in a warning; a shard that cannot be read at all is n
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 import random
@@ -86,15 +88,20 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         """Count the samples of every shard (kept in `index_path`); `add_up`: the sum over ranks, a collective."""
         self.counts = count_shards(self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say)
         bad = [u for u, n in zip(self.shards, self.counts) if n == UNREADABLE]
-        if self.rank == 0:  # counted in the metrics once, not by every rank
-            for i, n in enumerate(self.counts):
-                self._bad[i] = int(n == UNREADABLE)
+        for i, n in enumerate(self.counts):  # every rank knows them: they count towards the limit everywhere
+            self._bad[i] = int(n == UNREADABLE)
         if bad and self.num_samples and len(bad) > self.max_bad_shards:
             raise DataError(_too_many(len(bad), len(self.shards), self.max_bad_shards, bad[0]))
 
     @property
     def num_samples(self) -> int:
         return sum(max(n, 0) for n in self._counts())
+
+    @property
+    def order_id(self) -> str:
+        """What the epochs' order depends on (the seed and the shards' counts), as a short digest: a plan saved for
+        another order cannot be continued (shards moved elsewhere with their counts can)."""
+        return hashlib.sha1(json.dumps([self.seed, self._counts()]).encode()).hexdigest()[:16]
 
     def _counts(self) -> list[int]:
         if self.counts is None:
@@ -149,6 +156,8 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             shard = open_shard(self.shards[i], self.retries)
         except ShardError as e:
             return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped")
+        except Exception as e:  # noqa: BLE001 - whatever a damaged shard raises: said, counted, never a crash
+            return self._bad_shard(i, f"shard {self.shards[i]} is unreadable: {type(e).__name__}: {e}; skipped")
         if len(shard) != self._counts()[i]:
             stop = self._bad_shard(i, self._changed(shard, i))
             if stop is not None:
@@ -196,8 +205,10 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
 
     def data_counts(self) -> dict[str, int]:
         """What the run's metrics add up over the ranks: the skipped samples by reason, and the shards found
-        unreadable or changed (rank 0 counts those of the index)."""
-        return {**{f"skipped_{k}": v for k, v in self.skip_counts().items()}, "bad_shards": sum(self._bad)}
+        unreadable or changed (rank 0 counts those the index found, each rank those it found while training)."""
+        found = sum(b for b, n in zip(self._bad, self._counts()) if n != UNREADABLE)  # while training, on this rank
+        known = sum(n == UNREADABLE for n in self._counts()) if self.rank == 0 else 0  # the index's: once
+        return {**{f"skipped_{k}": v for k, v in self.skip_counts().items()}, "bad_shards": found + known}
 
     @property
     def num_skipped(self) -> int:

@@ -67,13 +67,14 @@ def stream_plan(dataset, cfg, backend, pos, say=print) -> Plan:
     where every rank stopped when the layout (ranks, workers, batch size) is the same; what it had left, planned
     again, when not. `pos.stream` records the plan, `pos.samples_in_epoch` the samples of it consumed."""
     workers = max(cfg.num_workers, 1)
-    layout = {"ranks": backend.world_size, "workers": workers, "batch": cfg.batch_size, "samples": dataset.num_samples}
+    layout = {"ranks": backend.world_size, "workers": workers, "batch": cfg.batch_size, "samples": dataset.num_samples,
+              "order": dataset.order_id}  # fmt: skip
     saved = pos.stream or {}
     whole = [(0, dataset.num_samples)]
-    if saved and saved.get("samples") != layout["samples"]:
+    if saved and (saved.get("samples"), saved.get("order")) != (layout["samples"], layout["order"]):
         say(
-            f"the shards hold {layout['samples']} samples, {saved.get('samples')} when the checkpoint was written: "
-            f"epoch {pos.epoch} starts over"
+            f"the shards, their counts or --seed are not those of the checkpoint ({layout['samples']} samples now, "
+            f"{saved.get('samples')} then): epoch {pos.epoch} starts over"
         )
         ranges, consumed = whole, 0
     elif not saved or all(saved[k] == layout[k] for k in ("ranks", "workers", "batch")):
@@ -107,7 +108,7 @@ def _collate(items: list):
     CLIP's gather across ranks needs. A worker's DataError is raised here."""
     for item in items:
         if isinstance(item, DataError):
-            raise item
+            return item  # raised by batches(), in the training process: one line, not a worker's traceback
     kept = [item for item in items if item is not None]
     if not kept:
         return None
@@ -135,19 +136,29 @@ def batches(dataset, cfg, backend, pos, say=print):
         generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
+    last = None  # the last batch read whole enough to train on
     while True:
         whole_epoch = pos.samples_in_epoch == 0 and not pos.stream
         if streamed:  # resumes exactly at the next unseen sample, without reading the ones before it
             dataset.set_plan(stream_plan(dataset, cfg, backend, pos, say))
         else:
             sampler.set_position(pos.epoch, pos.samples_in_epoch)
-        got = False
+        good, owed = False, 0
         for batch in loader:
-            pos.samples_in_epoch += per_step
-            if batch is None:  # every sample of it was skipped (and counted)
-                continue
-            got = True
-            yield batch
-        if whole_epoch and not got:
+            if isinstance(batch, DataError):
+                raise batch
+            if batch is None:  # every sample of it was skipped (and counted): the rank still gives a batch for
+                if last is None:  # it (the last one, or the next one twice), so that every rank's position and
+                    owed += 1  # steps stay those of the others
+                    continue
+                batch = last
+            else:
+                good = True
+            last = batch
+            for _ in range(owed + 1):
+                pos.samples_in_epoch += per_step
+                yield batch
+            owed = 0
+        if (whole_epoch and not good) or owed:
             raise ValueError("the data yielded no batch: check the dataset and --batch_size")
         pos.epoch, pos.samples_in_epoch, pos.stream = pos.epoch + 1, 0, {}

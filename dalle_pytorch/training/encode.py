@@ -58,11 +58,14 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
         t = time.perf_counter()
         try:
             shard = open_shard(urls[i], retries)
-        except ShardError as e:
-            say(f"warning: shard {e.url} is unreadable: {e.why}; not encoded (run again to retry it)")
+        except Exception as e:  # noqa: BLE001 - ShardError, or whatever a damaged shard raises
+            why = e.why if isinstance(e, ShardError) else f"{type(e).__name__}: {e}"
+            say(f"warning: shard {urls[i]} is unreadable: {why}; not encoded (run again to retry it)")
             with open(_path(out, i, ".unreadable"), "w") as f:
-                f.write(e.why + "\n")
+                f.write(why + "\n")
             continue
+        if shard.truncated_at is not None:
+            say(f"warning: shard {urls[i]} is truncated at byte {shard.truncated_at}: {len(shard)} samples before it")
         n, skipped = encode_shard(shard, dest, vae, image_key, caption_key, transform, mode, batch_size)
         shard.close()
         written += 1
@@ -125,17 +128,28 @@ def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, bac
     files, not in a collective, so a long encoding does not run into --dist_timeout."""
     out = os.path.join(run.path, "tokens")
     os.makedirs(out, exist_ok=True)
-    for i in range(backend.rank, len(pairs.shards), backend.world_size):  # a failure of an earlier try: retried
-        marker = _path(out, i, ".unreadable")
+    failed = os.path.join(out, f"failed-rank{backend.rank}")
+    mine = [_path(out, i, ".unreadable") for i in range(backend.rank, len(pairs.shards), backend.world_size)]
+    for marker in [*mine, failed]:  # an earlier try's failures: tried again
         if os.path.exists(marker):
             os.remove(marker)
     backend.barrier()
     t = time.perf_counter()
-    n = encode_shards(pairs.shards, keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
-                      backend.world_size, retries=cfg.shard_retries, say=run.print)  # fmt: skip
+    try:
+        n = encode_shards(pairs.shards, keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
+                          backend.world_size, retries=cfg.shard_retries, say=run.print)  # fmt: skip
+    except Exception as e:
+        with open(failed, "w") as f:  # the other ranks, waiting for this rank's shards, stop too
+            f.write(f"{type(e).__name__}: {e}\n")
+        raise
     last = time.perf_counter()
     while not all(os.path.exists(_path(out, i, ".tar")) or os.path.exists(_path(out, i, ".unreadable"))
                   for i in range(len(pairs.shards))):  # fmt: skip
+        for name in sorted(os.listdir(out)):
+            if name.startswith("failed-rank"):
+                with open(os.path.join(out, name)) as f:
+                    why = f.read().strip()
+                raise ValueError(f"{name[len('failed-') :]} stopped encoding its shards ({why}): see its log")
         if time.perf_counter() - last > 60:
             run.print("waiting for the other ranks to finish encoding their shards")
             last = time.perf_counter()

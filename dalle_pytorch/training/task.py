@@ -12,7 +12,7 @@ from torch import nn
 class Task(Protocol):
     name: str  # "vae", "dalle": names the run in messages
     model: nn.Module  # the trained module, before any backend wrapping
-    dataset: torch.utils.data.Dataset  # indexed, or an IterableDataset (streamed shards) with set_epoch(epoch)
+    dataset: torch.utils.data.Dataset  # indexed, or an IterableDataset (streamed shards, with set_plan(plan))
     val_dataset: torch.utils.data.Dataset | None  # held-out samples for --val_every, indexed; None: no validation
     export_path: str  # where export() writes the file generate.py reads
     tokens_per_sample: int  # transformer positions (or image tokens) per sample, for tokens/s

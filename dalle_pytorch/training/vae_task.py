@@ -35,9 +35,12 @@ class VAETask:
         self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
         self._last_tau = self.temp_start
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            first = [image for image, _ in itertools.islice(iter(dataset), num_sample_images)]
+            readable = (item for item in dataset if isinstance(item, tuple))  # not a skipped sample's None
+            first = [image for image, _ in itertools.islice(readable, num_sample_images)]
         else:
             first = [dataset[i][0] for i in range(min(num_sample_images, len(dataset)))]
+        if not first:
+            raise ValueError("the data yielded no batch: check the dataset and --batch_size (no image could be read)")
         self._fixed = torch.stack(first)  # the same images in every grid
 
     def temperature(self, step: int) -> float:

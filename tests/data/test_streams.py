@@ -226,3 +226,18 @@ def test_a_shard_that_changed_since_it_was_counted_is_said_and_counts_as_bad(tmp
         run = batches(strict, cfg, backend, Position())
         for _ in range(6):  # the epoch's batches: shard 0 is among them
             next(run)
+
+
+def test_a_batch_of_skipped_samples_still_takes_its_step(tmp_path):
+    """Every sample of some batches unreadable: the rank gives a batch for each anyway (the last good one), so its
+    position and steps stay those of ranks whose batches were whole."""
+    paths = write_shards(tmp_path, 3, 4)
+    _replace_members(paths[1], ".png", b"not a png")
+    ds = _dataset(paths)
+    cfg, backend = _setup(1, 0, 0)
+    pos = Position()
+    run = batches(ds, cfg, backend, pos)
+    with pytest.warns(UserWarning, match="skipping an unreadable"):
+        for step in range(1, 7):  # the epoch's 6 batches of 2
+            assert len(next(run)[1]) == 2 and pos.samples_in_epoch == 2 * step and pos.epoch == 0
+    assert ds.skip_counts()["bad_image"] == 4

@@ -61,3 +61,21 @@ def test_a_cut_archive_gives_a_prefix_and_where_it_breaks():
     garbage = data[:header] + b"\x07" * 512 + data[header + 512 :]
     found, cut = members(lambda offset, n: garbage[offset : offset + n], len(garbage))
     assert cut == header and found == whole[:1]
+
+
+def test_garbage_in_a_number_or_a_pax_record_is_a_cut_not_a_crash_or_a_hang():
+    data = bytearray(_archive(tarfile.PAX_FORMAT))
+    whole = _reference(bytes(data))
+    header = whole[1][1] - 512
+    bad_size = bytes(data[: header + 124]) + b"0000000009x\0" + bytes(data[header + 136 :])
+    found, cut = members(lambda offset, n: bad_size[offset : offset + n], len(bad_size))
+    assert found == whole[:1] and cut is not None
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("k/" + "y" * 120 + ".txt")  # a pax header carries its path
+        tar.addfile(info, io.BytesIO(b""))
+    raw = buf.getvalue()
+    pax = raw.index(b" path=")
+    looping = raw[: pax - 3] + b"000" + raw[pax:]  # the record's length field says 0
+    found, cut = members(lambda offset, n: looping[offset : offset + n], len(looping))
+    assert found == [] and cut == 0
