@@ -107,3 +107,21 @@ def test_codes_of_another_tokenizer_are_refused(shards, vae_path, tmp_path, monk
     assert "holds the codes of another image tokenizer (fingerprint another" in capsys.readouterr().err
     with pytest.raises(ValueError, match="these codes were made by another image tokenizer"):
         encode.check_codes(out, "mine")
+
+
+@pytest.mark.launcher
+def test_the_command_under_torchrun_splits_the_shards_between_its_ranks(shards, vae_path, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = str(tmp_path / "tokens")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(29900 + os.getpid() % 90), "-m", "dalle_pytorch.training.encode", "--shards", shards, "--wds", "png,txt",
+           "--vae_path", vae_path, "--out", out]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0: encoded 4 shards" in done.stdout and "rank 1: encoded 4 shards" in done.stdout
+    assert sorted(f for f in os.listdir(out) if f.endswith(".tar")) == [f"tokens-{i:06d}.tar" for i in range(8)]
