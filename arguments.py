@@ -170,7 +170,9 @@ class CaptionDataConfig:
     wds: str = flag(
         "", "image and caption keys of WebDataset shards, e.g. jpg,txt: --image_text_folder holds the shard URLs"
     )
-    val_image_text_folder: str = flag("", "validation pairs (x.jpg + x.txt), read every --val_every steps")
+    val_image_text_folder: str = flag(
+        "", "validation pairs (x.jpg + x.txt), or with --wds shard URLs, read every --val_every steps"
+    )
     resize_ratio: float = flag(0.75, "random resized crop keeps at least this fraction of each image (folders only)")
 
 
@@ -198,7 +200,7 @@ class VAERunConfig:
         "", "folder of images (searched recursively), or WebDataset shard URLs with --wds; empty: the built-in dataset"
     )
     wds: str = flag("", "image key of WebDataset shards (e.g. jpg): --image_folder then holds the shard URLs")
-    val_image_folder: str = flag("", "validation images, read every --val_every steps")
+    val_image_folder: str = flag("", "validation images, or with --wds shard URLs, read every --val_every steps")
     resize_ratio: float = flag(1.0, "random resized crop keeps at least this fraction of the image (1: no crop)")
     starting_temp: float = flag(1.0, "Gumbel-softmax temperature at step 0")
     temp_min: float = flag(0.0625, "temperature floor reached after --anneal_steps")

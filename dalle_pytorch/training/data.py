@@ -1,15 +1,17 @@
 """A run's data in one place: what the flags say about it (DataSpec, one per trainer), and `datasets()`, which
 returns the training, validation and held-out sets for all three trainers.
 
-Where the validation samples come from: a folder of their own (--val_image_text_folder, or --val_image_folder for
-the VAE), else the last --val_fraction of a seeded permutation of the training samples (removed from training),
-else the dataset's own validation split (the built-in data draws samples of another seed). The held-out set: for
-DALLE on a dataset that has one (the built-in data's colour-shape pairs never trained on), --val_heldout_captions
-scenes whose generated images the parser reads back (val_heldout_full)."""
+Where the validation samples come from: a folder (or, with --wds, shards) of their own (--val_image_text_folder,
+or --val_image_folder for the VAE), else the last --val_fraction of a seeded permutation of the training samples
+(removed from training), else the dataset's own validation split (the built-in data draws samples of another
+seed). The held-out set: for DALLE on a dataset that has one (the built-in data's colour-shape pairs never
+trained on), --val_heldout_captions scenes whose generated images the parser reads back (val_heldout_full)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +68,8 @@ def held_out(cfg, backend, dataset, spec: DataSpec):
         if folder or cfg.val_fraction:
             raise ValueError(f"{flag if folder else '--val_fraction'} is read every --val_every N steps: set it")
         return dataset, None
+    if folder and spec.wds:
+        return dataset, shard_samples(folder, spec, cfg, cfg.val_batches * cfg.batch_size * backend.world_size)
     if folder:
         where = dict(rank=backend.rank, world_size=backend.world_size, seed=cfg.seed, dataset_size=0)
         val = build_dataset(folder, "", spec.captions, spec.image_size, spec.channels, 1.0, folder_flag=flag, **where)
@@ -91,3 +95,18 @@ def heldout_scenes(dataset, captions: int, cfg, backend):
     if not (cfg.val_every and captions and hasattr(dataset, "heldout_split")):
         return None
     return dataset.heldout_split(max(1, captions // backend.world_size) * backend.world_size)
+
+
+def shard_samples(urls: str, spec: DataSpec, cfg, n: int) -> list:
+    """The first `n` readable samples of the shards `urls` (with the training's --wds keys), centre-cropped, in
+    memory: validation samples from shards (--val_image_text_folder 'val/{000..003}.tar'), the same on every
+    rank (each validates its share), read once."""
+    from ..data.wds import WebDatasetPairs
+
+    keys = spec.wds if spec.captions else spec.wds.split(",")[0]
+    stream = WebDatasetPairs(urls, keys, spec.image_size, spec.channels, 1.0, seed=cfg.seed, retries=cfg.shard_retries)
+    stream.count(say=warnings.warn)  # a small set: every rank counts it, keeping no index
+    samples = list(itertools.islice((item for item in stream if isinstance(item, tuple)), n))
+    if not samples:
+        raise ValueError(f"{spec.val_folder_flag} {urls}: no sample could be read (see the warnings above)")
+    return samples

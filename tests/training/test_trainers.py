@@ -243,6 +243,24 @@ def test_bad_shards_end_in_one_line_after_saying_what_they_found(vae_path, tmp_p
 
 
 @pytest.mark.e2e
+def test_validation_samples_from_shards(vae_path, tmp_path):
+    """--val_image_text_folder with --wds: shard URLs too, their first samples held in memory and read every
+    --val_every steps."""
+    from dalle_pytorch.data.shapes_export import export_wds
+
+    export_wds(str(tmp_path / "shards"), 32, image_size=16, per_shard=8)
+    export_wds(str(tmp_path / "val"), 20, image_size=16, per_shard=10, seed=1)
+    train_dalle.main(
+        [*tiny_dalle(vae_path), "--wds", "png,txt", "--image_text_folder", str(tmp_path / "shards"), "--steps", "4",
+         "--val_every", "2", "--val_batches", "2", "--batch_size", "4", "--val_image_text_folder",
+         str(tmp_path / "val" / "shard-{000000..000001}.tar"), "--output_dir", str(tmp_path), "--sample_every", "0"]
+    )  # fmt: skip
+    with open(os.path.join(tmp_path, "dalle", "metrics.jsonl")) as f:
+        losses = [row["val_loss"] for row in map(json.loads, f) if "val_loss" in row]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.e2e
 def test_vae_resume_bitwise_with_gumbel_noise(tmp_path):
     args = [
         *TINY_VAE,
