@@ -16,12 +16,14 @@ from dalle_pytorch.training.checkpoints import step_dirs
 EXAMPLES = os.path.join(ROOT, "examples", "slurm")
 
 
-def sbatch(cluster, example, args, cwd, *more):
-    """Submit examples/slurm/<example> with the script and flags as its arguments; returns the job id."""
+def sbatch(cluster, example, args, cwd, *more, from_checkout=False):
+    """Submit examples/slurm/<example> with the script and flags as its arguments; returns the job id. With
+    `from_checkout`, as `sbatch --chdir CWD examples/slurm/<example>` typed in the checkout (a relative path)."""
     os.makedirs(cwd, exist_ok=True)
     env = cluster.env(OMP_NUM_THREADS="1")
-    cmd = ["sbatch", "--parsable", "--nodes=2", "--chdir", str(cwd), *more, os.path.join(EXAMPLES, example), *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=cwd)
+    path = os.path.relpath(os.path.join(EXAMPLES, example), ROOT) if from_checkout else os.path.join(EXAMPLES, example)
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--chdir", str(cwd), *more, path, *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=ROOT if from_checkout else cwd)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -47,10 +49,16 @@ def output(cwd, job_id):
     return open(path).read()
 
 
-@pytest.mark.parametrize("example", ["torchrun.sbatch", "srun.sbatch", "deepspeed.sbatch", "horovod.sbatch"])
-def test_sbatch_example_trains_on_two_hosts(cluster, vae_path, tmp_path, example):
+CASES = [("torchrun.sbatch", False), ("srun.sbatch", False), ("deepspeed.sbatch", False), ("horovod.sbatch", False),
+         ("torchrun.sbatch", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("example, from_checkout", CASES, ids=[e + ("-relative" if r else "") for e, r in CASES])
+def test_sbatch_example_trains_on_two_hosts(cluster, vae_path, tmp_path, example, from_checkout):
+    """Each file as users submit it; the last, by a relative path from the checkout with --chdir elsewhere
+    (the file finds the checkout from SLURM_SUBMIT_DIR)."""
     args = dalle_args(vae_path, str(tmp_path / "runs"), 4)
-    job_id = sbatch(cluster, example, ["train_dalle.py", *args], tmp_path)
+    job_id = sbatch(cluster, example, ["train_dalle.py", *args], tmp_path, from_checkout=from_checkout)
     info = wait(cluster, job_id)
     log = output(tmp_path, job_id)
     assert info["JobState"] == "COMPLETED", f"{info.get('JobState')} {info.get('ExitCode')}\n{log[-5000:]}"
