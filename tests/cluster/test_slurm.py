@@ -86,6 +86,7 @@ def test_requeued_job_resumes_from_its_checkpoint(cluster, vae_path, tmp_path):
     assert info["JobState"] == "COMPLETED", log[-5000:]
     assert info["Restarts"] == "1", info
     assert "(restart 1)" in log
+    assert "Traceback" not in log and "torchrun on host" in log and "SIGTERM, its ranks were told to save" in log
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= 10, log[-3000:]
     metrics = [json.loads(line)["step"] for line in open(tmp_path / "runs" / "dalle" / "metrics.jsonl")]
