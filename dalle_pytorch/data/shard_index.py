@@ -89,11 +89,8 @@ def _count(url: str, retries: int, say: Callable[[str], None]) -> tuple[int, boo
         return stats, False
     try:
         shard = open_shard(url, retries)
-    except ShardError as e:
+    except ShardError as e:  # whatever the damage: this rank must still reach the collective
         say(f"warning: shard {e.url} is unreadable: {e.why}; it is left out")
-        return UNREADABLE, False
-    except Exception as e:  # noqa: BLE001 - whatever a damaged shard raises, this rank must reach the collective
-        say(f"warning: shard {url} is unreadable: {type(e).__name__}: {e}; it is left out")
         return UNREADABLE, False
     shard.close()
     if shard.truncated_at is not None:

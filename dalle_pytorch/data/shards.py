@@ -71,7 +71,17 @@ class Shard:
 
 
 def open_shard(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S) -> Shard:
-    """Parse shard `url`; raises ShardError when it cannot be read at all (missing, refused after `retries`)."""
+    """Parse shard `url`; raises ShardError when it cannot be read at all (missing, refused after `retries`, or
+    damaged in a way that raises): its callers, a counting collective among them, need catch nothing else."""
+    try:
+        return _open(url, retries, backoff)
+    except ShardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a damaged shard raises is one line about that shard
+        raise ShardError(url, f"{type(e).__name__}: {e}") from None
+
+
+def _open(url: str, retries: int, backoff: float) -> Shard:
     local = _local_path(url)
     if local is not None:
         if not os.path.exists(local):

@@ -154,10 +154,8 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         towards --max_bad_shards; of a changed one, the samples its index has room for are still read."""
         try:
             shard = open_shard(self.shards[i], self.retries)
-        except ShardError as e:
+        except ShardError as e:  # whatever the damage: said, counted, never a crash
             return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped")
-        except Exception as e:  # noqa: BLE001 - whatever a damaged shard raises: said, counted, never a crash
-            return self._bad_shard(i, f"shard {self.shards[i]} is unreadable: {type(e).__name__}: {e}; skipped")
         if len(shard) != self._counts()[i]:
             stop = self._bad_shard(i, self._changed(shard, i))
             if stop is not None:

@@ -58,11 +58,10 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
         t = time.perf_counter()
         try:
             shard = open_shard(urls[i], retries)
-        except Exception as e:  # noqa: BLE001 - ShardError, or whatever a damaged shard raises
-            why = e.why if isinstance(e, ShardError) else f"{type(e).__name__}: {e}"
-            say(f"warning: shard {urls[i]} is unreadable: {why}; not encoded (run again to retry it)")
+        except ShardError as e:
+            say(f"warning: shard {e.url} is unreadable: {e.why}; not encoded (run again to retry it)")
             with open(_path(out, i, ".unreadable"), "w") as f:
-                f.write(why + "\n")
+                f.write(e.why + "\n")
             continue
         if shard.truncated_at is not None:
             say(f"warning: shard {urls[i]} is truncated at byte {shard.truncated_at}: {len(shard)} samples before it")
