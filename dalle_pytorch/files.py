@@ -62,6 +62,15 @@ def atomic_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_json(obj, path: str, **dump) -> None:
+    """`obj` as JSON (json.dump's `dump` options), written to a temporary name and renamed over `path`: readers
+    (another rank, a restarted job) see the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, **dump)
+    os.replace(tmp, path)
+
+
 def save_tree(tree: dict, path: str) -> None:
     """A nested dict of tensors and plain data (an export) as one safetensors file: each tensor under its path
     in the tree ('weights/bos', 'vae/weights/...'), everything else as JSON in the header's metadata."""

@@ -32,6 +32,8 @@ from http.client import HTTPException
 
 from tqdm import tqdm
 
+from ..files import atomic_write_json
+
 
 @dataclass(frozen=True)
 class Remote:
@@ -150,10 +152,7 @@ def _record(path: str, remote: Remote, **values) -> None:
         with open(_sidecar(path)) as f:
             current = json.load(f)
     current.update(url=url_of(remote), **{k: v for k, v in values.items() if getattr(remote, k) is None})
-    tmp = f"{_sidecar(path)}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(current, f)
-    os.replace(tmp, _sidecar(path))
+    atomic_write_json(current, _sidecar(path))
 
 
 def _sha256(path: str) -> str:

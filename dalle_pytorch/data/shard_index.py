@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from ..files import atomic_write_json
 from .shards import ShardError, fetch, open_shard
 
 UNREADABLE = -1
@@ -36,10 +37,7 @@ def read_index(path: str) -> dict[str, int]:
 
 def write_index(path: str, counts: dict[str, int]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"version": VERSION, "samples": counts}, f, indent=0, sort_keys=True)
-    os.replace(tmp, path)
+    atomic_write_json({"version": VERSION, "samples": counts}, path, indent=0, sort_keys=True)
 
 
 def count_shards(

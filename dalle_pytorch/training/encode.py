@@ -33,6 +33,7 @@ from ..data.folders import image_transform
 from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
 from ..data.shards import RETRIES, ShardError, open_shard
 from ..data.wds import REASONS, WebDatasetPairs, shard_urls
+from ..files import atomic_write_json
 from .session import add_up
 
 META = "encode.json"
@@ -47,7 +48,7 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
     if rank == 0:
         meta = {"vae_fingerprint": vae_id, "image_size": vae.image_size, "fmap_size": vae.fmap_size,
                 "num_tokens": vae.num_tokens, "wds": keys, "sources": list(urls)}  # fmt: skip
-        _write_json(os.path.join(out, META), meta)
+        atomic_write_json(meta, os.path.join(out, META), indent=1)
     transform = image_transform(vae.image_size, 1.0, train=False)  # the centre crop, once for all epochs
     mode = "RGBA" if vae.channels == 4 else "RGB"
     written = 0
@@ -116,7 +117,7 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
         if pending:
             flush()
     base = dest[: -len(".tar")]
-    _write_json(f"{base}_stats.json", {"successes": n, "source": shard.url, "skipped": skipped})
+    atomic_write_json({"successes": n, "source": shard.url, "skipped": skipped}, f"{base}_stats.json", indent=1)
     os.replace(tmp, dest)  # complete: a restarted job keeps it
     return n, skipped
 
@@ -220,13 +221,6 @@ def _add(tar, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size = len(data)
     tar.addfile(info, io.BytesIO(data))
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
