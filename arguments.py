@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dalle_pytorch.compat import flags as predecessor_flags
 from dalle_pytorch.config import FileParser, add_flags, flag, take
+from dalle_pytorch.data.shards import RETRIES
 from dalle_pytorch.training.ema import check_decay
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 
@@ -32,7 +33,7 @@ class TrainConfig:
         "JSON file of the samples in each --wds shard, counted once and read by later runs (default: the run "
         "directory's shards.json)",
     )
-    shard_retries: int = flag(5, "retries of a shard (HTTP) that fails, waiting 1 s, 2 s, 4 s ... between tries")
+    shard_retries: int = flag(RETRIES, "retries of a shard (HTTP) that fails, waiting 1 s, 2 s, 4 s ... between tries")
     max_bad_shards: int = flag(
         -1, "the run stops when more --wds shards than this cannot be read (-1: 1 in 100 of the shards)"
     )

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .shards import RETRIES
 from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
 
 
@@ -24,7 +25,7 @@ def build_dataset(
     seed: int,
     dataset_size: int,
     folder_flag: str,
-    shard_retries: int = 5,
+    shard_retries: int = RETRIES,
     max_bad_shards: int = -1,
 ):
     """(image, caption) samples: WebDataset shards (`wds` names the keys, `folder` holds the URLs), an image or

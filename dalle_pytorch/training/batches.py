@@ -52,11 +52,9 @@ def total_steps(cfg, dataset, world_size: int) -> int:
     """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream: its counted samples)."""
     if cfg.steps:
         return cfg.steps
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        streams = world_size * max(cfg.num_workers, 1)
-        per_rank = shard_plan.stream_length([(0, dataset.num_samples)], streams, cfg.batch_size) * max(
-            cfg.num_workers, 1
-        )
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # every rank's workers: streams of equal length
+        workers = max(cfg.num_workers, 1)
+        per_rank = shard_plan.stream_length([(0, dataset.num_samples)], world_size * workers, cfg.batch_size) * workers
     else:
         per_rank = ShardedSampler.shard_size(len(dataset), world_size, cfg.batch_size)
     return cfg.epochs * max(per_rank // cfg.batch_size // cfg.accumulation_steps(world_size), 1)
