@@ -8,6 +8,7 @@ builds the parser from the dataclasses (and adds each backend's own options), so
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from dalle_pytorch.config import FileParser, add_flags, flag, take
 from dalle_pytorch.data.shards import RETRIES
 from dalle_pytorch.training.ema import check_decay
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
+from distributed.ray_config import RayOptions
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAYS = ("cosine", "exponential", "linear", "constant")
@@ -293,6 +295,7 @@ def build_parser(description: str, *configs: tuple[type, str], extra=None, prede
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     for cls, title in (*configs, *((cls, f"{name} backend") for name, cls in BACKEND_OPTIONS.items())):
         add_flags(parser, cls, title)
+    add_flags(parser, RayOptions, "Ray Train launcher")
     if extra:
         extra(parser)
     if predecessor:
@@ -304,3 +307,15 @@ def build_parser(description: str, *configs: tuple[type, str], extra=None, prede
 def take_backend_options(ns: argparse.Namespace) -> dict:
     """Each backend's own options from the parsed flags, by backend name (make_backend's keywords)."""
     return {name: take(ns, cls) for name, cls in BACKEND_OPTIONS.items()}
+
+
+def run_fit(fit, ns: argparse.Namespace, *configs):
+    """`fit(*configs, TrainConfig, backend options)` in this process (a launcher started it), or with
+    --ray_workers on Ray Train workers (distributed/ray_launcher.py). Returns the export's path."""
+    cfg, backend_options, ray = take(ns, TrainConfig), take_backend_options(ns), take(ns, RayOptions)
+    if not ray.ray_workers:
+        return fit(*configs, cfg, backend_options)
+    from distributed.ray_launcher import run_on_ray
+
+    run_dir = os.path.join(cfg.output_dir, cfg.name)
+    return run_on_ray(fit, configs, cfg, backend_options, ray, run_dir)

@@ -13,7 +13,7 @@ Writes runs/clip/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/
 
 from __future__ import annotations
 
-from arguments import CLIPRunConfig, TrainConfig, build_parser, take, take_backend_options
+from arguments import CLIPRunConfig, TrainConfig, build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.clip import CLIPConfig
 
@@ -26,7 +26,7 @@ def main(argv=None):
     with user_errors(ns.debug):
         from dalle_pytorch.training.trainers import fit_clip
 
-        return fit_clip(take(ns, CLIPConfig), take(ns, CLIPRunConfig), take(ns, TrainConfig), take_backend_options(ns))
+        return run_fit(fit_clip, ns, take(ns, CLIPConfig), take(ns, CLIPRunConfig))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ and a fingerprint of their weights, and generate.py reads the files again.
 
 from __future__ import annotations
 
-from arguments import DALLERunConfig, TrainConfig, build_parser, take, take_backend_options
+from arguments import DALLERunConfig, TrainConfig, build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.dalle import DALLEConfig
 
@@ -27,8 +27,7 @@ def main(argv=None):
     with user_errors(ns.debug):
         from dalle_pytorch.training.trainers import fit_dalle
 
-        model, run = take(ns, DALLEConfig), take(ns, DALLERunConfig)
-        return fit_dalle(model, run, take(ns, TrainConfig), take_backend_options(ns))
+        return run_fit(fit_dalle, ns, take(ns, DALLEConfig), take(ns, DALLERunConfig))
 
 
 if __name__ == "__main__":

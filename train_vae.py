@@ -9,7 +9,7 @@ Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/)
 
 from __future__ import annotations
 
-from arguments import TrainConfig, VAERunConfig, build_parser, take, take_backend_options
+from arguments import TrainConfig, VAERunConfig, build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.vae import VAEConfig
 
@@ -22,7 +22,7 @@ def main(argv=None):
     with user_errors(ns.debug):
         from dalle_pytorch.training.trainers import fit_vae
 
-        return fit_vae(take(ns, VAEConfig), take(ns, VAERunConfig), take(ns, TrainConfig), take_backend_options(ns))
+        return run_fit(fit_vae, ns, take(ns, VAEConfig), take(ns, VAERunConfig))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ BACKENDS = ("auto", "single", "ddp", "fsdp", "deepspeed", "horovod")
 class Topology:
     """Where this process sits, as the launcher described it."""
 
-    launcher: str  # none, torchrun, deepspeed, horovod, mpi, slurm
+    launcher: str  # none, torchrun, deepspeed, horovod, mpi, slurm, ray
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -112,6 +112,17 @@ def topology_from_env(env: dict | None = None) -> Topology:
             _int(env, "HOROVOD_LOCAL_SIZE", default=1),
             _int(env, "HOROVOD_CROSS_RANK"),
             env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", addr),
+            port,
+        )
+    if env.get("DALLE_LAUNCHER") == "ray":  # a Ray Train worker (distributed/ray_launcher.py): Ray set the rest
+        return Topology(
+            "ray",
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE", default=1),
+            _int(env, "LOCAL_RANK"),
+            _int(env, "LOCAL_WORLD_SIZE", default=1),
+            _int(env, "NODE_RANK"),
+            addr,
             port,
         )
     if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
@@ -217,7 +228,7 @@ def resolve_backend(requested: str, topo: Topology) -> str:
         return requested
     if topo.launcher == "mpi":
         return "horovod" if _horovod_has_mpi() else "ddp"
-    return {"torchrun": "ddp", "slurm": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
+    return {"torchrun": "ddp", "slurm": "ddp", "ray": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
         topo.launcher, "single"
     )
 

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 
 import torch
 
@@ -22,14 +23,19 @@ class StopFlag:
         self.set, self.reason = True, self.reason or reason
 
     def __enter__(self) -> StopFlag:
-        self._old = signal.signal(signal.SIGTERM, self._handle)
+        # Only the main thread may take a signal. Ray Train runs the loop in a thread of its worker process, and
+        # stops a worker by ending the actor, not with SIGTERM: there the flag is set by hooks alone.
+        self._main = threading.current_thread() is threading.main_thread()
+        if self._main:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, *_):
         self.request("SIGTERM")
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGTERM, self._old)
+        if self._main:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 class StopVote:
