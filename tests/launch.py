@@ -91,6 +91,8 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
             script,
             *args,
         ]
+    elif kind.startswith("ray"):  # Ray Train workers on a Ray of its own (--ray_address local), 1 CPU each
+        cmd = [sys.executable, script, *args, "--ray_workers", "2", "--ray_address", "local"]
     else:
         raise ValueError(kind)
     try:

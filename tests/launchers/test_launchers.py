@@ -61,6 +61,8 @@ CASES = [
     ("deepspeed", ["--zero_stage", "2"]),
     ("deepspeed", ["--zero_stage", "3"]),
     ("horovod", []),
+    ("ray", ["--distributed_backend", "ddp"]),  # Ray Train workers; FSDP on Ray: tests/cluster/test_ray.py
+    ("ray", ["--distributed_backend", "deepspeed", "--zero_stage", "2"]),
 ]
 
 
@@ -69,6 +71,8 @@ CASES = [
 def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, reference, tmp_path):
     if accumulate and kind in ("torchrun-fsdp",) or accumulate and extra[-1:] in (["1"], ["3"]):
         pytest.skip("accumulation is covered on ddp, ZeRO-2 and horovod; the others share their code path")
+    if kind == "ray" and accumulate == (extra[-1] == "ddp"):
+        pytest.skip("Ray (a cluster started per test): DDP without accumulation, ZeRO-2 with it")
     more = ["--global_batch_size", "16"] if accumulate else []
     launch(kind, "train_dalle.py", dalle_args(vae_path, str(tmp_path), 4, extra=[*extra, *more]))
     run = os.path.join(tmp_path, "dalle")
@@ -78,6 +82,7 @@ def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, referenc
     assert_same(ref_weights, safe_load(os.path.join(run, "dalle.safetensors"))["weights"])
     config = json.load(open(os.path.join(run, "config.json")))
     assert config["derived"]["world_size"] == 2 and config["derived"]["accumulation_steps"] == (2 if accumulate else 1)
+    assert config["derived"]["launcher"] == kind.split("-")[0]
     assert os.path.exists(os.path.join(run, "samples", "step-00000002.png"))
     if not accumulate and kind != "horovod":
         # the final resume checkpoint, sharded or not, converts to the same export, which generates anywhere
