@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import secrets
+import socket
 import sys
 import time
 
@@ -33,12 +34,13 @@ def check_launch(opts: RayOptions, cfg) -> tuple[int, int]:
     if outer != "none":
         raise ValueError(
             f"--ray_workers starts the workers itself, but this process was started by {outer}: run "
-            "`python SCRIPT --ray_workers N ...` alone (or drop --ray_workers to use that launcher)"
+            f"`python {os.path.basename(sys.argv[0]) or 'SCRIPT'} --ray_workers N ...` alone (or drop --ray_workers "
+            "to use that launcher)"
         )
     if cfg.distributed_backend == "horovod":
         raise ValueError(
-            "--distributed_backend horovod cannot run on --ray_workers (horovod.ray's RayExecutor is a launcher of "
-            "its own, not a Ray Train backend): use horovodrun, or ddp, fsdp or deepspeed on Ray"
+            "--distributed_backend horovod cannot run on --ray_workers (Ray Train 2.60 has no Horovod backend: "
+            "its HorovodTrainer is deprecated and refuses to start): use horovodrun, or ddp, fsdp or deepspeed on Ray"
         )
     if cfg.distributed_backend == "single" and hi > 1:
         raise ValueError(f"--distributed_backend single runs one process, not --ray_workers {opts.ray_workers}")
@@ -111,17 +113,24 @@ def connect(ray, address: str) -> None:
     if address == "local":
         ray.init(**kwargs)
         return
-    quiet = io.StringIO()
+    how = (
+        "start one with `ray start --head` on the head node and `ray start --address HEAD:6379` on the others, "
+        "pass its --ray_address HOST:PORT, or --ray_address local to start one here"
+    )
+    if address != "auto":  # Ray retries an address where nothing listens for minutes: ask it first, once
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except ValueError:
+            raise ValueError(f"--ray_address takes HOST:PORT, auto or local (got {address!r})") from None
+        except OSError as e:
+            raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}): {how}") from None
     try:
-        with contextlib.redirect_stderr(quiet):
+        with contextlib.redirect_stderr(io.StringIO()):
             ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError) as e:
-        where = "on this machine (ray start --head)" if address == "auto" else f"at {address}"
-        raise ConnectionError(
-            f"no Ray cluster {where} ({str(e).splitlines()[0][:120]}): start one with `ray start --head` on the "
-            "head node and `ray start --address HEAD:6379` on the others, pass its --ray_address HOST:PORT, or "
-            "--ray_address local to start one here"
-        ) from None
+    except (ConnectionError, RuntimeError):
+        where = "running on this machine" if address == "auto" else f"at {address}"
+        raise ConnectionError(f"no Ray cluster {where}: {how}") from None
 
 
 def wait_for_room(ray, opts: RayOptions, workers: int) -> int:
