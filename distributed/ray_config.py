@@ -23,6 +23,10 @@ class RayOptions:
         0, "restarts of the Ray workers after a failure (a lost node, a crashed worker), each from the run's last "
         "checkpoint; -1: without limit",
     )  # fmt: skip
+    ray_resize_every: float = flag(
+        60.0, "--ray_workers MIN:MAX: seconds between Ray's looks for room to grow (a node back or added); growing "
+        "restarts the workers from the newest checkpoint",
+    )  # fmt: skip
     ray_cpus_per_worker: float = flag(1.0, "CPUs Ray reserves for each worker")
     ray_wait: float = flag(
         60.0, "seconds to wait for the Ray cluster to have room for the workers before stopping with what is missing"
@@ -45,5 +49,7 @@ class RayOptions:
             raise ValueError(f"--ray_max_failures must be >= 0, or -1 for no limit (got {self.ray_max_failures})")
         if not self.ray_cpus_per_worker > 0:
             raise ValueError(f"--ray_cpus_per_worker must be positive (got {self.ray_cpus_per_worker:g})")
+        if not self.ray_resize_every > 0:
+            raise ValueError(f"--ray_resize_every must be a positive number of seconds (got {self.ray_resize_every:g})")
         if not self.ray_wait > 0:
             raise ValueError(f"--ray_wait must be a positive number of seconds (got {self.ray_wait:g})")

@@ -87,6 +87,7 @@ def run_on_ray(fit, configs: tuple, cfg, backend_options: dict, opts: RayOptions
             num_workers=lo if lo == hi else (lo, hi),
             use_gpu=gpus > 0,
             resources_per_worker={"CPU": opts.ray_cpus_per_worker, **({"GPU": 1} if gpus else {})},
+            elastic_resize_monitor_interval_s=opts.ray_resize_every,
         ),
         torch_config=TorchConfig(timeout_s=int(max(cfg.dist_timeout, 1))),
         run_config=RunConfig(
