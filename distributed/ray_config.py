@@ -29,7 +29,9 @@ class RayOptions:
     )  # fmt: skip
     ray_cpus_per_worker: float = flag(1.0, "CPUs Ray reserves for each worker")
     ray_wait: float = flag(
-        60.0, "seconds to wait for the Ray cluster to have room for the workers before stopping with what is missing"
+        60.0,
+        "seconds to wait for the Ray cluster to have room for the workers before stopping with what is "
+        "missing; after a failure, how long each restart waits for its workers before trying again with fewer",
     )
 
     def worker_range(self) -> tuple[int, int]:

@@ -72,6 +72,10 @@ def run_on_ray(fit, configs: tuple, cfg, backend_options: dict, opts: RayOptions
 
     connect(ray, opts.ray_address)
     gpus = wait_for_room(ray, opts, lo)
+    # Ray Train's controller waits this long for a worker group to start (60 s by default) before counting a
+    # failure and trying again with what it finds then: after a lost node, Ray still counts the node until its
+    # heartbeats are missed, so the first restart may wait for it (Ray passes the variable on to its controller)
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(opts.ray_wait))
     run_dir = os.path.abspath(run_dir)
     launch = secrets.token_hex(4)
     trainer = TorchTrainer(

@@ -125,10 +125,12 @@ SLOW_HOOK = """
 import os, time
 from dalle_pytorch.training.hooks import Hooks
 
-class Slow(Hooks):  # steps take 0.4 s until the test says go: time to kill a host and bring it back mid-run
+class Slow(Hooks):  # 0.4 s a step, time to kill a host mid-run; alone, it waits at step 12 for the host to come back
     def after_step(self, ctx, step):
-        if not os.path.exists({flag!r}):
+        if not os.path.exists({go!r}):
             time.sleep(0.4)
+        while ctx.world_size == 1 and step >= 12 and not os.path.exists({go!r}):
+            time.sleep(0.2)
 """
 
 
@@ -139,10 +141,10 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(ray_cluster, vae_pat
     import train_dalle
 
     steps, go = 24, str(tmp_path / "go")
-    (tmp_path / "slow.py").write_text(SLOW_HOOK.format(flag=go))
+    (tmp_path / "slow.py").write_text(SLOW_HOOK.format(go=go))
     ref = safe_load(train_dalle.main(dalle_args(vae_path, str(tmp_path / "ref"), 8, steps=steps)))["weights"]
 
-    elastic = ["--global_batch_size", "8", "--ray_max_failures", "3", "--ray_resize_every", "5"]
+    elastic = ["--global_batch_size", "8", "--ray_max_failures", "3", "--ray_resize_every", "5", "--ray_wait", "20"]
     args = dalle_args(vae_path, str(tmp_path / "el"), 4, steps=steps, extra=["--save_every_n_steps", "4"])
     args += ["--ray_workers", "1:2", *elastic, "--hooks", f"{tmp_path / 'slow.py'}:Slow", "--dist_timeout", "30"]
     run = tmp_path / "el" / "dalle"
@@ -166,7 +168,7 @@ def test_elastic_run_survives_a_lost_host_and_takes_it_back(ray_cluster, vae_pat
     assert "4 per rank x 1 ranks x 2 accumulation" in log and log.count("resumed from") >= 2, log[-3000:]
     assert json.load(open(run / "config.json"))["derived"]["global_batch_size"] == 8
     assert_same(ref, safe_load(str(run / "dalle.safetensors"))["weights"])
-    assert "error" not in out.lower().replace("error_", ""), out[-3000:]
+    assert "A worker health check failed" in out  # Ray's account of the lost worker
 
 
 def test_more_workers_than_the_cluster_can_place_is_one_line(ray_cluster, vae_path, tmp_path):
