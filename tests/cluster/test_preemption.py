@@ -3,6 +3,7 @@ before SLURM's grace period (KillWait, 30 s here), requeues itself and resumes t
 run; a rank that stops answering (SIGSTOP) is named by the others within --dist_timeout, and torchrun's restart
 resumes from the last checkpoint."""
 
+import json
 import os
 import re
 import signal
@@ -177,3 +178,44 @@ def test_a_lost_host_resumes_on_the_one_left(cluster, vae_path, tmp_path):
     assert resumed and int(resumed.group(1)) >= 40, log[-4000:]
     assert "global batch 8 = 4 per rank x 1 ranks x 2 accumulation" in log, log[-4000:]
     assert f"done at step {STEPS}" in log
+
+
+def test_elastic_torchrun_goes_on_alone_when_a_host_dies(cluster, vae_path, tmp_path):
+    """torchrun --nnodes 1:2 --max-restarts 3, one agent per host: hostb dies mid-run; hosta's agent restarts its
+    worker, rendezvouses again alone and the run finishes from its last checkpoint on 1 rank with the same
+    global batch (accumulation 2), nobody resubmitting. Prints the time from the kill to the first step after."""
+    port, steps = next(PORTS), 120
+    args = dalle_args(vae_path, str(tmp_path), 4, steps=steps, extra=["--global_batch_size", "8"])
+    args += ["--log_every", "2", "--save_every_n_steps", "10", "--sample_every", "0", "--dist_timeout", "20"]
+    args += ["--resume", "auto"]  # what a restart needs to continue (nothing to resume at the start)
+    rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"hosta:{port}", "--rdzv_id", "elastic"]
+    torchrun = [f"{BIN}/torchrun", "--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts", "3", *rdzv]
+    env = cluster.env(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    train = os.path.join(ROOT, "train_dalle.py")
+    logs = [open(tmp_path / f"{h}.log", "w") for h in cluster.names]
+    procs = [
+        cluster.popen(h, [*torchrun, train, *args], env=env, stdout=f, stderr=-2) for h, f in zip(cluster.names, logs)
+    ]
+    checkpoints = tmp_path / "dalle" / "checkpoints"
+    try:
+        deadline = time.time() + 180
+        while not any(d >= str(checkpoints / "step-00000020") for d in step_dirs(str(checkpoints))):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "hosta.log").read_text()[-3000:]
+            time.sleep(0.2)
+        lost = time.time()
+        cluster.kill_host("hostb")
+        procs[0].wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        cluster.revive_host("hostb")
+    text, agent = (tmp_path / "dalle" / "train.log").read_text(), (tmp_path / "hosta.log").read_text()
+    assert procs[0].returncode == 0, agent[-4000:] + text[-3000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", text)
+    assert resumed and int(resumed.group(1)) >= 20, text[-3000:]
+    assert "global batch 8 = 4 per rank x 1 ranks x 2 accumulation" in text, text[-3000:]
+    assert f"done at step {steps}" in text
+    rows = [json.loads(r) for r in (tmp_path / "dalle" / "metrics.jsonl").read_text().splitlines()]
+    after = [r["time"] for r in rows if r.get("time", 0) > lost and "loss" in r]
+    print(f"torchrun --nnodes 1:2: hostb lost, first step after recovery {after[0] - lost:.1f} s after the kill")
