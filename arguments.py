@@ -91,6 +91,14 @@ class TrainConfig:
         "with a line naming the ranks that did not answer; raise it when rank 0 alone works longer (a BPE on "
         "millions of captions)",
     )
+    exit_code_on_stop: int = flag(
+        0,
+        "exit status after SIGTERM stopped the run with a checkpoint saved (a finished run exits 0): e.g. 143 "
+        "under a Kubernetes operator whose restart policy retries codes >= 128",
+    )
+    exit_code_on_hang: int = flag(
+        2, "exit status when ranks stopped answering (--dist_timeout) and the others stopped: e.g. 142 to be retried"
+    )
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")
     log_every: int = flag(10, "log metrics every N optimizer steps")
@@ -118,6 +126,9 @@ class TrainConfig:
             check_decay(self.ema)
         if not self.dist_timeout > 0:
             raise ValueError(f"--dist_timeout must be a positive number of seconds (got {self.dist_timeout:g})")
+        for name in ("exit_code_on_stop", "exit_code_on_hang"):
+            if not 0 <= getattr(self, name) <= 255:
+                raise ValueError(f"--{name} must be an exit status from 0 to 255 (got {getattr(self, name)})")
         if self.shard_retries < 0:
             raise ValueError(f"--shard_retries must be >= 0 (got {self.shard_retries})")
         if self.max_bad_shards < -1:
@@ -312,10 +323,23 @@ def take_backend_options(ns: argparse.Namespace) -> dict:
 def run_fit(fit, ns: argparse.Namespace, *configs):
     """`fit(*configs, TrainConfig, backend options)` in this process (a launcher started it), or with
     --ray_workers on Ray Train workers (distributed/ray_launcher.py). Returns the export's path."""
-    cfg, backend_options, ray = take(ns, TrainConfig), take_backend_options(ns), take(ns, RayOptions)
-    if not ray.ray_workers:
-        return fit(*configs, cfg, backend_options)
-    from distributed.ray_launcher import run_on_ray
+    from dalle_pytorch.training.session import RanksLost
+    from dalle_pytorch.training.signals import Stopped
 
-    run_dir = os.path.join(cfg.output_dir, cfg.name)
-    return run_on_ray(fit, configs, cfg, backend_options, ray, run_dir)
+    cfg, backend_options, ray = take(ns, TrainConfig), take_backend_options(ns), take(ns, RayOptions)
+    cfg.validate()  # before the data and the models load
+    try:
+        if not ray.ray_workers:
+            return fit(*configs, cfg, backend_options)
+        from distributed.ray_launcher import run_on_ray
+
+        return run_on_ray(fit, configs, cfg, backend_options, ray, os.path.join(cfg.output_dir, cfg.name))
+    except Stopped as e:  # the loop said so: "SIGTERM: saved a checkpoint at step N; resume with --resume auto"
+        if cfg.exit_code_on_stop:
+            raise SystemExit(cfg.exit_code_on_stop) from None
+        return e.export_path
+    except RanksLost as e:  # rank 0 has named the ranks in train.log
+        if ns.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(cfg.exit_code_on_hang) from None

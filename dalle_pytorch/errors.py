@@ -7,7 +7,8 @@ import sys
 from contextlib import contextmanager
 
 USER_ERRORS = (
-    ValueError, FileNotFoundError, ImportError, ConnectionError, FloatingPointError, NotADirectoryError, PermissionError, TimeoutError,
+    ValueError, FileNotFoundError, ImportError, ConnectionError, FloatingPointError, NotADirectoryError,
+    PermissionError, TimeoutError,
 )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ BACKENDS = ("auto", "single", "ddp", "fsdp", "deepspeed", "horovod")
 class Topology:
     """Where this process sits, as the launcher described it."""
 
-    launcher: str  # none, torchrun, deepspeed, horovod, mpi, slurm, ray
+    launcher: str  # none, torchrun, deepspeed, horovod, mpi, slurm, ray, kubeflow
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -179,6 +179,8 @@ def topology_from_env(env: dict | None = None) -> Topology:
             env.get("MASTER_ADDR") or (slurm_hostnames(nodelist)[0] if nodelist else "127.0.0.1"),
             port,
         )
+    if "PET_NNODES" in env and "RANK" not in env:  # a Kubeflow pod running the script itself (no torchrun)
+        return _kubeflow_pod(env)
     if _int(env, "WORLD_SIZE", default=1) > 1:  # a hand-made torch.distributed environment
         return Topology(
             "torchrun",
@@ -191,6 +193,29 @@ def topology_from_env(env: dict | None = None) -> Topology:
             port,
         )
     return Topology("none")
+
+
+def _kubeflow_pod(env: dict) -> Topology:
+    """One rank per pod, from what Kubeflow's operator sets for torchrun (PET_NNODES, PET_NODE_RANK,
+    PET_MASTER_ADDR, PET_MASTER_PORT, PET_NPROC_PER_NODE): the pod's command is `python SCRIPT`, not torchrun."""
+    nnodes, nproc = env["PET_NNODES"], env.get("PET_NPROC_PER_NODE", "1")
+    one_device = nproc in ("auto", "gpu") and torch.cuda.is_available() and torch.cuda.device_count() == 1
+    if ":" in nnodes or not (nproc == "1" or one_device):
+        raise ValueError(
+            f"this pod is asked for {nproc} processes per node on {nnodes} nodes (PET_NPROC_PER_NODE, PET_NNODES): "
+            "start the script with torchrun, which reads them (`torchrun train_dalle.py ...`, "
+            "examples/kubernetes/pytorchjob.yaml), or set numProcPerNode to 1"
+        )
+    return Topology(
+        "kubeflow",
+        _int(env, "PET_NODE_RANK"),
+        int(nnodes),
+        0,
+        1,
+        _int(env, "PET_NODE_RANK"),
+        env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1",
+        _int(env, "PET_MASTER_PORT", "MASTER_PORT", default=29500),
+    )
 
 
 def _horovod_has_mpi() -> bool:
@@ -228,9 +253,8 @@ def resolve_backend(requested: str, topo: Topology) -> str:
         return requested
     if topo.launcher == "mpi":
         return "horovod" if _horovod_has_mpi() else "ddp"
-    return {"torchrun": "ddp", "slurm": "ddp", "ray": "ddp", "deepspeed": "deepspeed", "horovod": "horovod"}.get(
-        topo.launcher, "single"
-    )
+    by_launcher = {"deepspeed": "deepspeed", "horovod": "horovod", "none": "single"}
+    return by_launcher.get(topo.launcher, "ddp")  # torchrun, slurm, ray, kubeflow
 
 
 def pick_device(local_rank: int) -> torch.device:

@@ -24,7 +24,7 @@ from .hooks import HookContext, HookList, load_hooks
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
 from .schedules import lr_factor
-from .signals import GraceCheck, StopFlag, StopVote
+from .signals import GraceCheck, StopFlag, Stopped, StopVote
 from .task import Task
 from .validation import validate, whole_model
 
@@ -69,6 +69,8 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
         parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks, ema)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
+    if stop.reason == "SIGTERM" and pos.step < total:  # on every rank (the vote): saved, not finished
+        raise Stopped(pos.step, getattr(task, "export_path", ""))
     return pos
 
 

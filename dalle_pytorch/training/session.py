@@ -14,6 +14,12 @@ from distributed import make_backend, set_threads, topology_from_env
 
 from ..data.build import build_text_tokenizer
 from .run_dir import RunDir
+from .signals import Stopped
+
+
+class RanksLost(TimeoutError):
+    """Ranks stopped answering (a hang, a lost host): the ones left stop; the scripts exit with
+    --exit_code_on_hang (2 by default; a Kubernetes operator retries codes >= 128)."""
 
 
 @contextmanager
@@ -55,12 +61,15 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         run.write_flags(flag_sections({**configs, **backend_options}))
         try:
             yield backend, recovery, run
+        except Stopped:  # SIGTERM: every rank saved at the same step and leaves together, as on success
+            backend.barrier()
+            raise
         except Exception as e:  # a collective that timed out: name the ranks that stopped answering
             why = backend.explain(e)
             if why is None:
                 raise
             run.print(f"error: {why}")
-            raise TimeoutError(why) from e
+            raise RanksLost(why) from e
         # on success, no rank leaves the group while a peer may still be in a collective: a peer whose
         # connection closes mid-collective aborts (seen as a rare exit -6 under deepspeed ZeRO-3)
         backend.barrier()

@@ -12,6 +12,15 @@ import threading
 import torch
 
 
+class Stopped(Exception):
+    """The run stopped on SIGTERM before its last step, its checkpoint and export saved: it resumes with --resume
+    auto. The scripts exit with --exit_code_on_stop (0 by default; a Kubernetes operator retries codes >= 128)."""
+
+    def __init__(self, step: int, export_path: str):
+        super().__init__(f"stopped on SIGTERM at step {step}")
+        self.step, self.export_path = step, export_path
+
+
 class StopFlag:
     """Set by SIGTERM, or by a hook's request (training/hooks.py); `reason` says which, for the log."""
 

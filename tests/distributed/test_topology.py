@@ -178,3 +178,44 @@ def test_this_machines_horovod(monkeypatch):
     import horovod.torch as hvd
 
     assert resolve_backend("auto", Topology("mpi", world_size=4)) == ("horovod" if hvd.mpi_built() else "ddp")
+
+
+# What Kubeflow's operators set in each pod (Trainer's TrainJob, and PyTorchJob with numProcPerNode): torchrun's
+# own defaults, PET_*, which torchrun reads when the pod's command is `torchrun SCRIPT` with no topology flags
+KUBEFLOW = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "job-node-0-0.job"}
+KUBEFLOW["PET_MASTER_PORT"] = "29400"
+
+
+def test_a_kubeflow_pod_running_the_script_itself_is_one_rank():
+    t = topology_from_env({**KUBEFLOW, "PET_NODE_RANK": "1"})
+    assert t == Topology("kubeflow", 1, 2, 0, 1, 1, "job-node-0-0.job", 29400)
+    assert resolve_backend("auto", t) == "ddp"
+
+
+@pytest.mark.parametrize("more", [{"PET_NPROC_PER_NODE": "4"}, {"PET_NNODES": "1:2"}, {"PET_NPROC_PER_NODE": "cpu"}])
+def test_a_kubeflow_pod_asked_for_more_than_python_can_be_says_torchrun(more):
+    with pytest.raises(ValueError, match=r"start the script with torchrun, which reads them"):
+        topology_from_env({**KUBEFLOW, "PET_NODE_RANK": "0", **more})
+
+
+def test_torchrun_in_a_kubeflow_pod_is_torchrun():
+    """torchrun sets RANK, WORLD_SIZE, ... for its ranks: those win over the pod's PET_* (the agent's input)."""
+    env = {**KUBEFLOW, "PET_NODE_RANK": "1", "TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4"}
+    env.update(LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29400")
+    assert topology_from_env(env) == Topology("torchrun", 3, 4, 1, 2, 1, "10.0.0.1", 29400)
+
+
+def test_a_ray_train_worker():
+    env = {"DALLE_LAUNCHER": "ray", "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(NODE_RANK="2", MASTER_ADDR="10.0.0.2", MASTER_PORT="41000")
+    t = topology_from_env(env)
+    assert t == Topology("ray", 2, 3, 0, 1, 2, "10.0.0.2", 41000)
+    assert resolve_backend("auto", t) == "ddp"
+
+
+def test_torchrun_agent_passes_on_a_retryable_status():
+    from distributed.torchrun_agent import retryable_status
+
+    assert retryable_status([1, 143]) == 143  # a rank's --exit_code_on_stop
+    assert retryable_status([-9, 1]) == 137  # killed: 128 + 9
+    assert retryable_status([2, 1]) == 1  # a bad flag: torchrun's own 1, not retried
