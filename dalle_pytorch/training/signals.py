@@ -62,8 +62,14 @@ class StopVote:
         if self.backend.world_size == 1:
             return self.flag.set
         previous = self._pending
-        self._pending = self.backend.all_reduce_async(torch.tensor([float(self.flag.set)]), "sum")
-        return previous is not None and previous().item() > 0
+        flags = torch.tensor([float(self.flag.set), float(self.flag.reason == "SIGTERM")])
+        self._pending = self.backend.all_reduce_async(flags, "sum")
+        if previous is None:
+            return False
+        stop, signalled = previous().tolist()
+        if stop and not self.flag.set:  # another rank's reason becomes this one's: every rank exits alike
+            self.flag.request("SIGTERM" if signalled else "a stop requested on another rank")
+        return stop > 0
 
     def close(self) -> None:
         """Wait for the vote still under way, so that no rank leaves while a peer's is pending."""
