@@ -3,6 +3,7 @@
     python train_clip.py --dalle_path runs/dalle/dalle.safetensors   # the built-in dataset, the DALLE's tokenizer
     python train_clip.py --dalle_path dalle.pt --image_text_folder DIR      # x.jpg beside x.txt, nested
     torchrun --nproc_per_node 2 train_clip.py --dalle_path dalle.pt --image_text_folder DIR
+    python train_clip.py --dalle_path dalle.pt --image_text_folder DIR --ray_workers 4
     deepspeed --num_gpus 2 train_clip.py ...;  horovodrun -np 2 python train_clip.py ...
 
 --dalle_path takes the text tokenizer, the caption length and the image size from the DALLE export the

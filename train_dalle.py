@@ -5,6 +5,7 @@
     python train_dalle.py --taming --vqgan_model_path last.ckpt --vqgan_config_path model.yaml --image_text_folder DIR
     python train_dalle.py --openai_vae_path DIR_WITH_ENCODER_AND_DECODER --image_text_folder DIR
     torchrun --nproc_per_node 2 train_dalle.py --vae_path vae.pt --image_text_folder DIR
+    python train_dalle.py --vae_path vae.pt --image_text_folder DIR --ray_workers 4 --ray_address HEAD:6379
 
 Writes runs/dalle/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/, the tokenizer) and the
 export dalle.safetensors, which holds the VAE and the tokenizer too: generate.py needs nothing else. A pretrained

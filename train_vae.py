@@ -3,6 +3,7 @@
     python train_vae.py                                   # the built-in synthetic dataset
     python train_vae.py --image_folder DIR                # any folder of images, nested or flat
     torchrun --nproc_per_node 2 train_vae.py --image_folder DIR
+    python train_vae.py --image_folder DIR --ray_workers 4                   # Ray Train workers (ray start)
 
 Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/) and the export vae.safetensors.
 """
