@@ -48,7 +48,7 @@ def test_the_lock_file_holds_every_pin_of_requirements_txt():
             line = line.split("#")[0].strip()
             if "==" in line:
                 package, version = line.split("==")
-                out[package.strip().lower().replace("_", "-")] = version.strip()
+                out[package.split("[")[0].strip().lower().replace("_", "-")] = version.strip()  # ray[train]: ray
         return out
 
     locked = pins("requirements.lock")

@@ -16,8 +16,9 @@ from torch import nn
 
 from arguments import TrainConfig
 from dalle_pytorch.training.checkpoints import step_dirs
-from dalle_pytorch.training.loop import train
+from dalle_pytorch.training.loop import Position, train
 from dalle_pytorch.training.session import training_session
+from dalle_pytorch.training.signals import Stopped
 
 
 class FakeTask:
@@ -76,11 +77,22 @@ def config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**{**base, **overrides})
 
 
+@dataclasses.dataclass
+class StoppedAt(Position):
+    """Where a run that SIGTERM stopped (train raised Stopped) saved its checkpoint."""
+
+
 def fit(cfg: TrainConfig, task: FakeTask):
     """(final position, trained weights) of one run of the loop, with the session the trainers use."""
-    with training_session(cfg, "run", {"train": cfg}, {}) as (backend, recovery, run):
-        pos = train(task, cfg, backend, recovery, run)
-        return pos, {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+    try:
+        with training_session(cfg, "run", {"train": cfg}, {}) as (backend, recovery, run):
+            try:
+                pos = train(task, cfg, backend, recovery, run)
+            finally:
+                weights = {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+    except Stopped as e:  # saved, not finished: the scripts exit with --exit_code_on_stop
+        pos = StoppedAt(step=e.step)
+    return pos, weights
 
 
 def test_the_loop_trains_and_exports(tmp_path):
@@ -136,7 +148,7 @@ def test_sigterm_saves_and_resumes(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
 
     pos, _ = fit(config(tmp_path / "b", log_every=1000), FakeTask(str(tmp_path / "b.pt"), on_loss=sigterm_at_5))
-    assert sent and pos.step == 6
+    assert sent and pos.step == 6 and isinstance(pos, StoppedAt)
     assert os.path.basename(step_dirs(str(tmp_path / "b" / "run" / "checkpoints"))[0]) == f"step-{pos.step:08d}"
     _, uninterrupted = fit(config(tmp_path / "a"), FakeTask(str(tmp_path / "a.pt")))
     pos, resumed = fit(config(tmp_path / "b", resume="auto"), FakeTask(str(tmp_path / "b.pt")))
@@ -167,7 +179,7 @@ def _sigterm_rank_1_during_step_4(rank, out, resume):
 
     cfg = config(out, distributed_backend="ddp", log_every=1000, resume=resume)
     pos, weights = fit(cfg, FakeTask(os.path.join(out, "fake.pt"), on_loss=on_loss))
-    return pos.step, weights
+    return (pos.step, isinstance(pos, StoppedAt)), weights
 
 
 def _fit_ddp(rank, out):
@@ -181,10 +193,10 @@ def test_sigterm_on_one_rank_stops_every_rank_within_one_step(tmp_path):
     out = str(tmp_path / "b")
     os.makedirs(out)
     stopped = on_ranks(2, _sigterm_rank_1_during_step_4, out, "")
-    assert [step for step, _ in stopped] == [5, 5]
+    assert [step for step, _ in stopped] == [(5, True), (5, True)]  # both stopped on SIGTERM, as rank 1 was
     assert [os.path.basename(d) for d in step_dirs(os.path.join(out, "run", "checkpoints"))][0] == "step-00000005"
     resumed = on_ranks(2, _sigterm_rank_1_during_step_4, out, "auto")
-    assert [step for step, _ in resumed] == [8, 8]
+    assert [step for step, _ in resumed] == [(8, False), (8, False)]
     os.makedirs(tmp_path / "a")
     uninterrupted = on_ranks(2, _fit_ddp, str(tmp_path / "a"))[0]
     assert all(torch.equal(resumed[0][1][k], uninterrupted[k]) for k in uninterrupted)
