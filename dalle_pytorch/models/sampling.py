@@ -50,7 +50,7 @@ def generate_image_tokens(
     top_p: float = 1.0,
     cond_scale: float = 1.0,
     prime: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     use_cache: bool = True,
     compile: bool | str = False,
     on_token=None,
@@ -58,7 +58,9 @@ def generate_image_tokens(
     """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. use_cache=False recomputes the
     whole prefix every token (the reference the cache is checked against). compile: each step (decode and
     pick) through torch.compile, one graph for every position, compiled once per model, batch and settings;
-    compile="reduce-overhead" replays that graph as a CUDA graph (on a GPU: no per-kernel launch cost)."""
+    compile="reduce-overhead" replays that graph as a CUDA graph (on a GPU: no per-kernel launch cost).
+    generator: one for the batch, or one per row (a list of b): then each row's draws are its own, so a row gives
+    the same tokens alone (with its generator) as batched with others (a service batching requests)."""
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True (drop --no_cache)")
     cfg = model.cfg
@@ -78,9 +80,15 @@ def generate_image_tokens(
         logits = _next_logits_uncached(model, rows, image)
     vocab = logits.shape[-1]
 
+    per_row = isinstance(generator, (list, tuple))
+    if per_row and len(generator) != b:
+        raise ValueError(f"{len(generator)} generators for {b} caption rows: give one per row, or one for all")
+
     def noise():  # drawn here, in the same order with or without compile, so a seed gives the same images
         if temperature == 0:
             return torch.zeros((), device=text.device)
+        if per_row:  # row i's values are those of torch.rand((1, vocab), generator=generator[i])
+            return torch.stack([torch.rand(vocab, device=text.device, generator=g) for g in generator])
         return torch.rand((b, vocab), device=text.device, generator=generator)
 
     new = pick_token(logits, noise(), *settings)

@@ -326,3 +326,22 @@ def test_a_pattern_that_does_not_fit_the_image_grid_is_refused():
 def test_a_model_needs_blocks_and_heads(flag):
     with pytest.raises(ValueError, match=f"--{flag} must be at least 1 .got 0."):
         DALLEConfig(**{flag: 0})
+
+
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0])
+def test_a_row_with_its_own_generator_draws_the_same_alone_or_batched(cond_scale):
+    """One generator per row (what a service batching requests passes): each row's tokens are those it draws
+    alone with a generator of the same seed, whichever rows share its batch (here 4 captions, seeds 7..10)."""
+    m = model()
+    text = torch.cat([batch(2)[0], batch(2)[0].flip(0)])
+    seeds = [7, 8, 9, 10]
+    together = generate_image_tokens(
+        m, text, cond_scale=cond_scale, generator=[torch.Generator().manual_seed(s) for s in seeds]
+    )
+    for i, s in enumerate(seeds):
+        alone = generate_image_tokens(
+            m, text[i : i + 1], cond_scale=cond_scale, generator=torch.Generator().manual_seed(s)
+        )
+        assert torch.equal(together[i : i + 1], alone), i
+    with pytest.raises(ValueError, match="3 generators for 4 caption rows"):
+        generate_image_tokens(m, text, generator=[torch.Generator() for _ in range(3)])
