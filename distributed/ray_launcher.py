@@ -18,8 +18,6 @@ import socket
 import sys
 import time
 
-import torch
-
 from .ray_config import RayOptions
 from .topology import topology_from_env
 
@@ -177,19 +175,23 @@ def _worker(config: dict) -> None:
 
 def _restarted(marker: str) -> bool:
     """Whether an earlier worker group of this launch has started (so this one is a restart). Rank 0 leaves
-    a marker in the run directory and tells the others through Ray's process group."""
+    a marker in the run directory and tells the others through the store of Ray's process group (a store, not a
+    collective: under NCCL a collective needs CUDA tensors; each worker group has a store of its own)."""
     import torch.distributed as dist
 
-    seen = torch.zeros(1)
+    seen = False
     if int(os.environ.get("RANK", 0)) == 0:
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            seen += 1
-    if dist.is_initialized():
-        dist.broadcast(seen, 0)
-    return bool(seen.item())
+            seen = True
+    if not dist.is_initialized():
+        return seen
+    store = dist.distributed_c10d._get_default_store()
+    if int(os.environ.get("RANK", 0)) == 0:
+        store.set("dalle/ray_restarted", "1" if seen else "0")
+    return store.get("dalle/ray_restarted") == b"1"
 
 
 def _first_failure(error) -> str:

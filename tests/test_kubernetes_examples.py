@@ -31,7 +31,9 @@ def test_the_pytorchjob(monkeypatch):
         assert spec["restartPolicy"] == "ExitCode"
         container = spec["template"]["spec"]["containers"][0]
         assert container["name"] == "pytorch"
-        assert container["command"][-2:] == ["-m", "distributed.torchrun_agent"]
+        assert container["command"][1:3] == ["-m", "distributed.torchrun_agent"]
+        shutdown = int(container["command"][container["command"].index("--shutdown_timeout") + 1])
+        assert shutdown < spec["template"]["spec"]["terminationGracePeriodSeconds"]  # the ranks save within it
         assert os.path.exists(os.path.join(ROOT, "distributed", "torchrun_agent.py"))
         script, *flags = container["args"]
         assert script == "train_dalle.py"

@@ -67,8 +67,10 @@ class StopVote:
         if previous is None:
             return False
         stop, signalled = previous().tolist()
-        if stop and not self.flag.set:  # another rank's reason becomes this one's: every rank exits alike
-            self.flag.request("SIGTERM" if signalled else "a stop requested on another rank")
+        if signalled:  # a rank was signalled: SIGTERM is every rank's reason, so that every rank exits alike
+            self.flag.set, self.flag.reason = True, "SIGTERM"
+        elif stop and not self.flag.set:
+            self.flag.request("a stop requested on another rank")
         return stop > 0
 
     def close(self) -> None:
