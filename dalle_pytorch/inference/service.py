@@ -11,8 +11,6 @@ Image i of a request with seed S has seed S + i and is what `python generate.py 
 request's settings) writes as 0000.png, byte for byte. A bad request gets a 4xx whose body is one line saying what
 to change ({"error": "..."}); a client that leaves before its batch starts takes no decode step."""
 
-from __future__ import annotations
-
 import asyncio
 import base64
 import io
@@ -23,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat.flags import top_k_arg
 from ..config import flag
 from .export import WEIGHTS
 from .pipeline import SamplingConfig, best_of
@@ -70,7 +69,7 @@ class Request:
     keep: int
 
     @classmethod
-    def parse(cls, body, cfg: ServeConfig, reranks: bool) -> Request:
+    def parse(cls, body, cfg: ServeConfig, reranks: bool) -> "Request":
         if not isinstance(body, dict):
             raise BadRequest('the body must be a JSON object: {"text": "a red circle", "num_images": 4}')
         unknown = sorted(set(body) - set(FIELDS))
@@ -96,14 +95,17 @@ class Request:
             raise BadRequest(f'"keep" must be from 0 to "num_images" {n} (got {keep})')
         try:
             sampling = SamplingConfig(
-                temperature=_number(body, "temperature", 1.0, float), top_k=_number(body, "top_k", 0, float),
+                temperature=_number(body, "temperature", 1.0, float),
+                top_k=top_k_arg(str(_number(body, "top_k", 0, float))),
                 top_p=_number(body, "top_p", 1.0, float), cond_scale=_number(body, "cond_scale", 1.0, float),
                 weights=cfg.weights,
             )  # fmt: skip
         except ValueError as e:
             raise BadRequest(str(e).replace("--", "")) from None
-        if sampling.top_k < 0:
-            raise BadRequest(f'"top_k" must be at least 0 (got {sampling.top_k:g})')
+        if sampling.top_k < 0 or isinstance(sampling.top_k, float) and not 0 < sampling.top_k < 1:
+            raise BadRequest(
+                f'"top_k" must be a count of tokens (0: all) or a fraction in (0, 1) (got {sampling.top_k:g})'
+            )
         return cls(text.strip(), n, seed, sampling, keep)
 
     def command(self, dalle_path: str, seed: int, weights: str) -> str:
@@ -158,6 +160,10 @@ def make_app(cfg: ServeConfig, dalle, vae, tokenizer, clip=None, clip_tokenizer=
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
         return JSONResponse({"error": str(e)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def failed(_, e: Exception):  # the service goes on; the client hears what went wrong, in one line
+        return JSONResponse({"error": f"{type(e).__name__}: {e}".splitlines()[0]}, status_code=500)
 
     @app.get("/health")
     async def health():
