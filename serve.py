@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     from dalle_pytorch.config import take
     from dalle_pytorch.errors import user_errors
-    from dalle_pytorch.inference.service import ServeConfig
+    from dalle_pytorch.inference.service import ServeConfig, load_app
 
     ns = build_parser().parse_args(argv)
     with user_errors(ns.debug):
@@ -36,27 +36,6 @@ def main(argv=None):
 
         print(f"serving {cfg.dalle_path} on http://{cfg.host}:{cfg.port}/", flush=True)
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-
-
-def load_app(cfg):
-    """The service over the models `cfg` names, loaded once."""
-    import torch
-
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"serve.py needs fastapi and uvicorn ({e}): run `make install`") from None
-    from dalle_pytorch.inference.load import load_dalle
-    from dalle_pytorch.inference.pipeline import load_reranker
-    from dalle_pytorch.inference.service import make_app
-
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device, weights=cfg.weights)
-    clip = clip_tokenizer = None
-    if cfg.clip_path:
-        clip, clip_tokenizer = load_reranker(cfg.clip_path, cfg.dalle_path, dalle, vae, tokenizer, device)
-    return make_app(cfg, dalle, vae, tokenizer, clip, clip_tokenizer)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ OURS = (
     "train_dalle",
     "generate",
     "train_clip",
+    "serve",
 )
 INFRASTRUCTURE = {"distributed", "arguments", "deepspeed", "horovod", "wandb", "tensorboard", "logging", "tqdm"}
 
@@ -86,7 +87,7 @@ def test_the_leaves_import_nothing_of_ours():
 
 
 def test_nothing_imports_a_script():
-    scripts = {"train_vae", "train_dalle", "generate", "train_clip", "arguments"}
+    scripts = {"train_vae", "train_dalle", "generate", "train_clip", "serve", "arguments"}
     for folder in ("dalle_pytorch", "distributed"):
         for path in python_files(folder):
             found = {n.split(".")[0] for n in imports(path)} & scripts
@@ -135,6 +136,13 @@ def test_no_import_circles():
 
 def test_the_root_scripts_are_thin():
     """They parse flags and call the package (training/trainers.py, inference/generate.py)."""
-    for name in ("train_vae.py", "train_dalle.py", "train_clip.py", "generate.py"):
+    for name in ("train_vae.py", "train_dalle.py", "train_clip.py", "generate.py", "serve.py"):
         lines = open(os.path.join(ROOT, name)).read().count("\n")
         assert lines <= 60, f"{name} has {lines} lines: move what it builds into the package"
+
+
+def test_generate_and_serve_need_no_training():
+    """generate.py and serve.py run on any machine without a process group: neither training nor distributed."""
+    for name in ("generate.py", "serve.py"):
+        found = [n for n in imports(name) if n.startswith(("dalle_pytorch.training", "distributed", "arguments"))]
+        assert not found, f"{name} imports {found}"

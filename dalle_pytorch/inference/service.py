@@ -138,6 +138,24 @@ def png(image: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def load_app(cfg: ServeConfig):
+    """The service over the models `cfg` names, loaded once."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"serve.py needs fastapi and uvicorn ({e}): run `make install`") from None
+    from .load import load_dalle
+    from .pipeline import load_reranker
+
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device, weights=cfg.weights)
+    clip = clip_tokenizer = None
+    if cfg.clip_path:
+        clip, clip_tokenizer = load_reranker(cfg.clip_path, cfg.dalle_path, dalle, vae, tokenizer, device)
+    return make_app(cfg, dalle, vae, tokenizer, clip, clip_tokenizer)
+
+
 def make_app(cfg: ServeConfig, dalle, vae, tokenizer, clip=None, clip_tokenizer=None):
     """The FastAPI application over loaded models; its Batcher stops with the app."""
     from contextlib import asynccontextmanager
