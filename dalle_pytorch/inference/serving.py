@@ -1,7 +1,8 @@
 """The service's batching (serve.py): requests wait in a queue and one worker thread samples whatever is waiting as
-one batch on the static KV cache: after the first request it waits at most `max_wait` seconds for others, up to
-`max_batch` image rows (vLLM's scheduler, without paged memory: the model is small). Sampling is latency-bound
-at small batches, so requests that arrive together share their decode steps.
+one batch on the static KV cache: after the first request it waits for others while they keep coming (at most
+`max_wait` seconds, and a fifth of that after the last arrival), up to `max_batch` image rows (vLLM's scheduler,
+without paged memory: the model is small). Sampling is latency-bound at small batches, so requests that arrive
+together share their decode steps, and a lone client waits a few milliseconds, not `max_wait`.
 
 Every image row has a generator of its own, seeded with the image's seed, so an image is the same whether its
 request ran alone or batched with others, and `generate.py --seed S --num_images 1` (the same sampling settings)
@@ -77,8 +78,8 @@ class Batcher:
             self._sample(jobs)
 
     def _gather(self, first: Job) -> list[Job] | None:
-        """`first` and the jobs with its settings that are held or arrive within max_wait of it, up to
-        max_batch rows; the others stay held for a later round, in their order."""
+        """`first` and the jobs with its settings that are held or arrive while requests keep coming (see the
+        module's docstring), up to max_batch rows; the others stay held for a later round, in their order."""
         jobs, rows = [first], len(first.seeds)
         keep = []
         for job in self._held:
@@ -88,12 +89,16 @@ class Batcher:
             else:
                 keep.append(job)
         self._held = keep
-        deadline = first.arrived + self.max_wait
+        # Wait while requests keep coming: at most max_wait after the first, and no longer than a fifth of it after
+        # the last one (a lone client then pays a few ms, not max_wait; a burst of clients is gathered whole)
+        deadline, quiet = first.arrived + self.max_wait, self.max_wait / 5
+        last = max(j.arrived for j in jobs)
         while rows < self.max_batch:
             try:
-                job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                job = self._queue.get(timeout=max(0.0, min(deadline, last + quiet) - time.monotonic()))
             except queue.Empty:
                 break
+            last = job.arrived if job is not None else last
             if job is None:  # closing: finish this round, then stop
                 self._sample(jobs)
                 return None
