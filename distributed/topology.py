@@ -64,12 +64,19 @@ def slurm_hostnames(nodelist: str) -> list[str]:
 
 
 def _slurm_counts(spec: str) -> list[int]:
-    """SLURM's compressed per-node task counts, one per node: '2(x3),1' -> [2, 2, 2, 1]; '' -> []."""
-    counts = []
-    for part in filter(None, spec.split(",")):
-        n, _, times = part.partition("(x")
-        counts += [int(n)] * int(times.rstrip(")") or 1)
-    return counts
+    """SLURM's compressed per-node task counts, one per node: '2(x3),1' -> [2, 2, 2, 1]; '' -> [] (SLURM left
+    the variable empty). python-hostlist's parser, SLURM's grammar."""
+    if not spec.strip():
+        return []
+    import hostlist
+
+    try:
+        return hostlist.parse_slurm_tasks_per_node(spec)
+    except hostlist.BadHostlist:
+        raise ValueError(
+            f"{spec!r} is not a SLURM task count list (like '2(x3),1'): check SLURM_STEP_TASKS_PER_NODE and "
+            "SLURM_TASKS_PER_NODE (srun sets them)"
+        ) from None
 
 
 def _slurm_local_world_size(env: dict) -> int:

@@ -68,6 +68,11 @@ def test_slurm_task_counts(spec, counts):
     assert topology._slurm_counts(spec) == counts
 
 
+def test_a_bad_slurm_task_count_names_the_fix():
+    with pytest.raises(ValueError, match="is not a SLURM task count list"):
+        topology._slurm_counts("2(x")
+
+
 SRUN = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "node[1-4]-ib"}
 
 
