@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any
@@ -113,6 +114,12 @@ class FileParser(argparse.ArgumentParser):
             else:
                 values[key] = value
         unknown = [k for k in values if k not in actions]
+        if unknown and "derived" in data:  # a run's config.json: what ran, derived values included
+            beside = os.path.join(os.path.dirname(path), "config.yaml")
+            raise ValueError(
+                f"--config {path} is a run's record (what it worked out, {unknown[0]!r} among it, is no flag): "
+                f"relaunch the run with its flags, --config {beside}"
+            )
         if unknown:
             hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, actions, 1)) else repr(k)
                      for k in unknown]  # fmt: skip

@@ -56,6 +56,16 @@ def test_bad_files_end_in_one_line(tmp_path, capsys, text, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_runs_config_json_says_to_relaunch_from_its_config_yaml(tmp_path, capsys):
+    """config.json records what the run worked out too (the model's derived sizes): not flags."""
+    record = {"model": {"image_fmap_size": 8, "num_image_tokens": 64}, "training": {"steps": 7}, "derived": {}}
+    with pytest.raises(SystemExit) as exit:
+        parse(tmp_path, json.dumps(record), name="config.json")
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "is a run's record" in err and f"--config {tmp_path / 'config.yaml'}" in err, err
+
+
 def test_a_missing_file_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--config", str(tmp_path / "nope.yaml")])
