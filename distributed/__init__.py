@@ -5,6 +5,8 @@ checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from .base import Backend, Recovery, StepOptions, StepResult, Workload
 from .deepspeed_config import DeepSpeedOptions
 from .horovod_config import HorovodOptions
@@ -12,6 +14,27 @@ from .topology import BACKENDS, Topology, resolve_backend, set_threads, topology
 
 # each backend's own flags: the scripts add them to their parser and pass them back by backend name
 BACKEND_OPTIONS = {"deepspeed": DeepSpeedOptions, "horovod": HorovodOptions}
+# how to get the backend whose flag was given
+_HOW = {
+    "deepspeed": "launch with `deepspeed SCRIPT ...` or pass --distributed_backend deepspeed",
+    "horovod": "launch with `horovodrun -np N python SCRIPT ...`",
+}
+
+
+def applicable_options(name: str, options: dict) -> dict:
+    """The options of backend `name` alone (what the run records), after refusing in one line any other
+    backend's flag set away from its default: it would do nothing here (`torchrun ... --zero_stage 3` trains
+    plain DDP replicas)."""
+    for owner, opts in options.items():
+        if owner == name:
+            continue
+        default = type(opts)()
+        for f in dataclasses.fields(opts):
+            if getattr(opts, f.name) != getattr(default, f.name):
+                raise ValueError(
+                    f"--{f.name} is a {owner} flag, but this run's backend is {name}: drop it, or {_HOW[owner]}"
+                )
+    return {owner: opts for owner, opts in options.items() if owner == name}
 
 
 def make_backend(
@@ -78,6 +101,7 @@ __all__ = [
     "StepResult",
     "Topology",
     "Workload",
+    "applicable_options",
     "make_backend",
     "read_weights",
     "resolve_backend",

@@ -18,8 +18,9 @@ import socket
 import sys
 import time
 
+from . import applicable_options
 from .ray_config import RayOptions
-from .topology import topology_from_env
+from .topology import Topology, resolve_backend, topology_from_env
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers import the project from it
 
@@ -60,6 +61,7 @@ def run_on_ray(fit, configs: tuple, cfg, backend_options: dict, opts: RayOptions
     `run_dir`: the run's directory (where the workers write), for Ray's own records beside the run's."""
     lo, hi = check_launch(opts, cfg)
     cfg.validate()
+    applicable_options(resolve_backend(cfg.distributed_backend, Topology("ray", world_size=hi)), backend_options)
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from distributed import make_backend, set_threads, topology_from_env
+from distributed import applicable_options, make_backend, set_threads, topology_from_env
 
 from ..data.build import build_text_tokenizer
 from .run_dir import RunDir
@@ -31,6 +31,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
     cfg.validate()
     topo = topology_from_env()
     backend = make_backend(cfg.distributed_backend, topo, cfg.step_options(topo.world_size), **backend_options)
+    backend_options = applicable_options(backend.name, backend_options)  # before any rank joins the group
     recovery = backend.recovery()
     if recovery.world_size_may_change:
         cfg.check_elastic()
