@@ -34,7 +34,7 @@ def last_error(argv, capsys, monkeypatch, env=()):
         (["--ray_workers", "3:2"], [], "--ray_workers needs 1 <= MIN <= MAX"),
         (["--ray_workers", "2", "--ray_address", "nowhere"], [], "--ray_address takes HOST:PORT, auto or local"),
         (["--exit_code_on_stop", "300"], [], "--exit_code_on_stop must be an exit status from 0 to 255"),
-        (["--ray_workers", "2", "--zero_stage", "3"], [], "--zero_stage is a deepspeed flag, but this run's backend is ddp"),
+        (["--ray_workers", "2", "--zero_stage", "3"], [], "--zero_stage is a deepspeed flag, but this run's backend"),
     ],
 )  # fmt: skip
 def test_refused_in_one_line(argv, env, says, capsys, monkeypatch):
