@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from helpers import ONE_THREAD, ROOT, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
@@ -93,6 +94,7 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
         ]
     elif kind.startswith("ray"):  # Ray Train workers on a Ray of its own (--ray_address local), 1 CPU each
         cmd = [sys.executable, script, *args, "--ray_workers", "2", "--ray_address", "local"]
+        env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="ray")  # Ray's session files, removed below
     else:
         raise ValueError(kind)
     try:
@@ -101,6 +103,8 @@ def launch(kind: str, script: str, args: list[str], timeout: int = 300) -> str:
         leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
         for path in leaked:
             os.remove(path)  # a failed run's too, so that failures do not fill the machine's memory
+        if kind.startswith("ray"):
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, f"{kind} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert not leaked, f"{kind} left shared memory behind: {leaked}"
     return out.stdout
