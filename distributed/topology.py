@@ -122,38 +122,11 @@ def topology_from_env(env: dict | None = None) -> Topology:
             port,
         )
     if env.get("DALLE_LAUNCHER") == "ray":  # a Ray Train worker (distributed/ray_launcher.py): Ray set the rest
-        return Topology(
-            "ray",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE", default=1),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_WORLD_SIZE", default=1),
-            _int(env, "NODE_RANK"),
-            addr,
-            port,
-        )
+        return _torch_variables("ray", env, _int(env, "NODE_RANK"), addr, port)
     if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:
-        return Topology(
-            "torchrun",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE", default=1),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_WORLD_SIZE", default=1),
-            _int(env, "GROUP_RANK"),
-            addr,
-            port,
-        )
+        return _torch_variables("torchrun", env, _int(env, "GROUP_RANK"), addr, port)
     if "CROSS_RANK" in env and "RANK" in env:  # the deepspeed launcher
-        return Topology(
-            "deepspeed",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE", default=1),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_SIZE", default=1),
-            _int(env, "CROSS_RANK"),
-            addr,
-            port,
-        )
+        return _torch_variables("deepspeed", env, _int(env, "CROSS_RANK"), addr, port, local_size="LOCAL_SIZE")
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:  # Open MPI, or MPICH / Intel MPI (hydra)
         rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
         world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
@@ -189,17 +162,15 @@ def topology_from_env(env: dict | None = None) -> Topology:
     if "PET_NNODES" in env and "RANK" not in env:  # a Kubeflow pod running the script itself (no torchrun)
         return _kubeflow_pod(env)
     if _int(env, "WORLD_SIZE", default=1) > 1:  # a hand-made torch.distributed environment
-        return Topology(
-            "torchrun",
-            _int(env, "RANK"),
-            _int(env, "WORLD_SIZE"),
-            _int(env, "LOCAL_RANK"),
-            _int(env, "LOCAL_WORLD_SIZE", default=1),
-            0,
-            addr,
-            port,
-        )
+        return _torch_variables("torchrun", env, 0, addr, port)
     return Topology("none")
+
+
+def _torch_variables(launcher: str, env: dict, node: int, addr: str, port: int, local_size="LOCAL_WORLD_SIZE"):
+    """The ranks as torch.distributed's variables give them (RANK, WORLD_SIZE, LOCAL_RANK and the local size),
+    which torchrun, the deepspeed launcher and Ray Train all set; each names the node in its own."""
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE", default=1)
+    return Topology(launcher, rank, world, _int(env, "LOCAL_RANK"), _int(env, local_size, default=1), node, addr, port)
 
 
 def _kubeflow_pod(env: dict) -> Topology:
