@@ -12,7 +12,7 @@ import torch
 
 from ..compat.flags import PredecessorFiles
 from ..config import flag
-from .load import load_dalle
+from .load import load_dalle, pick_device
 from .pipeline import RerankConfig, SamplingConfig, best_of, candidate_images, load_reranker
 
 
@@ -115,7 +115,7 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
         raise ValueError("--keep ranks the images with CLIP: give --clip_path clip.pt (train_clip.py writes one)")
     if rerank.keep < 0 or rerank.keep > cfg.num_images:
         raise ValueError(f"--keep must be between 0 and --num_images {cfg.num_images} (got {rerank.keep})")
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(cfg.device)
     dalle, vae, tokenizer = load_dalle(
         cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, old.how_to_read(), sampling.weights
     )

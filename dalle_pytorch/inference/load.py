@@ -3,10 +3,17 @@ CLIP; and where a DALLE run started from."""
 
 from __future__ import annotations
 
+import torch
+
 from ..data.tokenizer import tokenizer_from_dict
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
 from .export import export_weights, load_export
+
+
+def pick_device(name: str = "") -> torch.device:
+    """The --device flag's device: `name` (cpu, cuda, cuda:1 ...), or cuda when available, else cpu."""
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def vae_from_export(obj: dict) -> DiscreteVAE:

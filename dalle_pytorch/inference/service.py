@@ -145,10 +145,10 @@ def load_app(cfg: ServeConfig):
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise ImportError(f"serve.py needs fastapi and uvicorn ({e}): run `make install`") from None
-    from .load import load_dalle
+    from .load import load_dalle, pick_device
     from .pipeline import load_reranker
 
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(cfg.device)
     dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device, weights=cfg.weights)
     clip = clip_tokenizer = None
     if cfg.clip_path:

@@ -80,32 +80,29 @@ class Batcher:
     def _gather(self, first: Job) -> list[Job] | None:
         """`first` and the jobs with its settings that are held or arrive while requests keep coming (see the
         module's docstring), up to max_batch rows; the others stay held for a later round, in their order."""
-        jobs, rows = [first], len(first.seeds)
-        keep = []
-        for job in self._held:
-            if job.settings == first.settings and rows + len(job.seeds) <= self.max_batch:
+        jobs = [first]
+
+        def take(job: Job) -> bool:  # into this round: the same settings, and room for its rows
+            fits = job.settings == first.settings and sum(len(j.seeds) for j in jobs) + len(job.seeds) <= self.max_batch
+            if fits:
                 jobs.append(job)
-                rows += len(job.seeds)
-            else:
-                keep.append(job)
-        self._held = keep
+            return fits
+
+        self._held = [job for job in self._held if not take(job)]
         # Wait while requests keep coming: at most max_wait after the first, and no longer than a fifth of it after
         # the last one (a lone client then pays a few ms, not max_wait; a burst of clients is gathered whole)
         deadline, quiet = first.arrived + self.max_wait, self.max_wait / 5
         last = max(j.arrived for j in jobs)
-        while rows < self.max_batch:
+        while sum(len(j.seeds) for j in jobs) < self.max_batch:
             try:
                 job = self._queue.get(timeout=max(0.0, min(deadline, last + quiet) - time.monotonic()))
             except queue.Empty:
                 break
-            last = job.arrived if job is not None else last
             if job is None:  # closing: finish this round, then stop
                 self._sample(jobs)
                 return None
-            if job.settings == first.settings and rows + len(job.seeds) <= self.max_batch:
-                jobs.append(job)
-                rows += len(job.seeds)
-            else:
+            last = job.arrived
+            if not take(job):
                 self._held.append(job)
         return jobs
 
