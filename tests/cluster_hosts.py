@@ -144,11 +144,15 @@ class Cluster:
     def _start_slurmd(self, host):
         self._start(f"slurmd-{host}", ["slurmd", "-D", "-N", host], host=host)
 
+    def processes(self, host: str) -> set[int]:
+        """Every process running on `host` (in its network namespace)."""
+        return {int(p) for p in _sh("ip", "netns", "pids", self.netns[host], check=False).stdout.split()}
+
     def kill_host(self, host: str) -> None:
         """The host dies: every process in its namespace (sshd, slurmd, the job's tasks) is killed at once."""
-        for pid in _sh("ip", "netns", "pids", self.netns[host], check=False).stdout.split():
+        for pid in self.processes(host):
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

@@ -87,9 +87,7 @@ def test_time_limit_signal_saves_requeues_and_resumes(cluster, vae_path, tmp_pat
 
 def worker_pid(cluster, host):
     """The training process (not its launcher) running on `host`."""
-    for pid in subprocess.run(
-        ["ip", "netns", "pids", cluster.netns[host]], capture_output=True, text=True
-    ).stdout.split():
+    for pid in cluster.processes(host):
         try:
             cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
         except OSError:

@@ -6,6 +6,7 @@ of the uninterrupted run; a cluster too small for the workers is one line."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,11 +40,7 @@ class RayCluster:
         self.env = cluster.env(
             OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token
         )
-        self.own = {h: self._ns_pids(h) for h in cluster.names}
-
-    def _ns_pids(self, host) -> set[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.cluster.netns[host]], capture_output=True, text=True)
-        return {int(p) for p in out.stdout.split()}
+        self.own = {h: cluster.processes(h) for h in cluster.names}
 
     def start(self, host):
         # a temporary folder per node (both hosts share this machine's /tmp), short: Ray's socket paths must fit
@@ -65,7 +62,7 @@ class RayCluster:
 
     def stop(self, host):
         """The host's Ray (raylet, its workers, the head's services) killed at once, as when the host dies."""
-        for pid in self._ns_pids(host) - self.own[host]:
+        for pid in self.cluster.processes(host) - self.own[host]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -74,7 +71,7 @@ class RayCluster:
     def down(self):
         for host in self.cluster.names:
             self.stop(host)
-            subprocess.run(["rm", "-rf", f"/tmp/ray{INSTANCE}-{host}"])
+            shutil.rmtree(f"/tmp/ray{INSTANCE}-{host}", ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
