@@ -101,7 +101,15 @@ class TrainConfig:
     )
     output_dir: str = flag("runs", "parent folder of run directories")
     name: str = flag("", "run directory name under --output_dir (default: the trainer's name)")
-    log_every: int = flag(10, "log metrics every N optimizer steps")
+    log_every: int = flag(10, "log metrics every N optimizer steps (each rank's figures too: rankN/step_ms, ...)")
+    straggler_patience: int = flag(
+        3,
+        "name a rank that holds the others back (its own time per step above theirs, see --straggler_margin) after "
+        "this many log steps in a row; 0: never",
+    )
+    straggler_margin: float = flag(
+        0.25, "a rank is slow when its own time per step (data, forward, hooks) exceeds the others' median by this"
+    )
     sample_every: int = flag(200, "write sample image grids every N steps; 0 disables")
     save_every_n_steps: int = flag(500, "write a resume checkpoint every N steps; 0 only at the end")
     keep_n_checkpoints: int = flag(2, "resume checkpoints to keep (older ones are deleted after a new one is complete)")
@@ -129,6 +137,11 @@ class TrainConfig:
         for name in ("exit_code_on_stop", "exit_code_on_hang"):
             if not 0 <= getattr(self, name) <= 255:
                 raise ValueError(f"--{name} must be an exit status from 0 to 255 (got {getattr(self, name)})")
+        if self.straggler_patience < 0 or not self.straggler_margin > 0:
+            raise ValueError(
+                "--straggler_patience must be >= 0 and --straggler_margin positive (got "
+                f"{self.straggler_patience} and {self.straggler_margin:g})"
+            )
         if self.shard_retries < 0:
             raise ValueError(f"--shard_retries must be >= 0 (got {self.shard_retries})")
         if self.max_bad_shards < -1:

@@ -117,15 +117,18 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         saved = save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints, extra(parts))
         grace.saved(time.perf_counter() - t0)
         hooks.on_save(0, saved)
+    clock = window.clock  # this rank's own time (data, forward, hooks): where a straggler shows (rank_stats.py)
     while pos.step < total:
-        hooks.before_step(pos.step)
+        with clock.own():
+            hooks.before_step(pos.step)
         for micro in range(accum):
             t0 = time.perf_counter()
             raw = next(data)
-            window.waited(time.perf_counter() - t0)
-            batch = task.prepare_batch(raw, backend.device)
+            clock.waited(time.perf_counter() - t0)
+            with clock.own():
+                batch = task.prepare_batch(raw, backend.device)
             with backend.accumulate(model, sync=micro == accum - 1):
-                with backend.autocast():
+                with backend.autocast(), clock.forward():
                     loss, metrics = task.loss(model, batch, pos.step)
                 backend.backward(loss)
             window.add(loss, metrics)
@@ -135,7 +138,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         pos.step += 1
         if bar is not None:
             bar.update(1)
-        hooks.after_step(pos.step)
+        with clock.own():
+            hooks.after_step(pos.step)
         logging = pos.step % cfg.log_every == 0 or pos.step == total
         if logging:
             log_window(parts, window, grace, hooks, pos, result, bar)
@@ -161,6 +165,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             break
         parts.recovery.commit(pos)
     vote.close()
+    for line in window.summary.lines():
+        run.print(line)
     hooks.on_end(pos.step)
     if bar is not None:
         bar.close()

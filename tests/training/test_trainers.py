@@ -73,7 +73,8 @@ def test_vae_run_directory(vae_path):
         "codebook_usage",
         "images_per_s",
         "tokens_per_s",
-        "memory_mb_per_rank",
+        "rank0/peak_memory_mb",
+        "rank0/step_ms",
     } <= set(rows[-1])
     cfg = json.load(open(os.path.join(run, "config.json")))
     assert cfg["derived"]["global_batch_size"] == 8 and cfg["model"]["image_size"] == 16

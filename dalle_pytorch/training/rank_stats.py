@@ -1,0 +1,211 @@
+"""Each rank's own figures at every log step, and the rank that holds the others back named.
+
+The figures ride in the one all-reduce the loop makes per log step (metrics.py): every rank writes its row into
+its own slot of a (world size x figures) tensor, the sum is everyone's rows. Nothing is synchronised per step.
+
+Why `own_ms`: in data-parallel training the ranks meet in every step's gradient reduction, so the wall time per
+step is the same on every rank (the fast ones wait there for the slowest). What differs is the time each rank
+spends on its own before they meet: waiting for its batch, the forward pass, the hooks. A rank whose own time
+stays above the others' is the straggler; its data wait says whether it waits on data or computes slowly.
+Under FSDP and ZeRO-3 the forward gathers parameters (the ranks meet there too), so a slow forward shows on
+every rank; a wait for data or a slow hook is still told apart.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+HOST_FIGURES = ("step_ms", "own_ms", "data_wait_share", "cpu_percent", "rss_mb", "peak_memory_mb")
+GPU_FIGURES = ("gpu_util_percent",)  # on CUDA: peak_memory_mb is then the device's peak allocation
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    # Linux: KiB, and updated by the kernel a little behind the RSS read now
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _rss_mb())
+
+
+class RankClock:
+    """This rank's time between two log steps: its own work (data, forward, hooks) and the process's CPU.
+    On CUDA the forward is timed by events on the device's stream (read at the log step, which waits for the
+    device anyway), since the host only queues kernels; elsewhere by the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.wait = 0.0  # seconds in next(data)
+        self.host = 0.0  # seconds of other work on the host (hooks; the forward off CUDA)
+        self.events: list[tuple] = []  # CUDA: (start, end) of each forward
+
+    def waited(self, seconds: float) -> None:
+        self.wait += seconds
+
+    @contextmanager
+    def own(self):
+        """Work of this rank alone (a hook, preparing a batch), timed by the host."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host += time.perf_counter() - t0
+
+    @contextmanager
+    def forward(self):
+        if not self.cuda:
+            with self.own():
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self.events.append((start, end))
+
+    def figures(self, steps: int) -> tuple[float, dict[str, float]]:
+        """(seconds since the last reset, this rank's figures per optimizer step over them)."""
+        elapsed = time.perf_counter() - self.t0
+        device_s = 0.0
+        if self.events:
+            self.events[-1][1].synchronize()  # the log step's all-reduce waits for the device anyway
+            device_s = sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        row = {
+            "step_ms": 1000 * elapsed / steps,
+            "own_ms": 1000 * (self.wait + self.host + device_s) / steps,
+            "data_wait_share": self.wait / elapsed,
+            "cpu_percent": 100 * (time.process_time() - self.cpu0) / elapsed,  # of one core, all threads
+            "rss_mb": _rss_mb(),
+            "peak_memory_mb": peak_memory_mb(self.device),
+        }
+        if self.cuda:
+            row["gpu_util_percent"] = _gpu_utilisation(self.device)
+        return elapsed, row
+
+
+def _rss_mb() -> float:
+    """The process's resident memory now (Linux: /proc/self/statm's second field, in pages)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def _gpu_utilisation(device: torch.device) -> float:
+    """NVML's utilisation of the device over its last sample period (%), NaN without nvidia-ml-py."""
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001 - pynvml missing, or NVML not answering: the figure is left out
+        return float("nan")
+
+
+def figure_names(device: torch.device) -> tuple[str, ...]:
+    return HOST_FIGURES + (GPU_FIGURES if device.type == "cuda" else ())
+
+
+def hostnames(backend) -> list[str]:
+    """Every rank's host name (one collective, when the loop starts): each rank writes its name's bytes into its
+    own row of a zero tensor, the sum is every row."""
+    width = 64
+    rows = torch.zeros(backend.world_size, width, dtype=torch.int32, device=backend.device)
+    name = socket.gethostname().encode()[:width]
+    rows[backend.rank, : len(name)] = torch.tensor(list(name), dtype=torch.int32)
+    rows = backend.all_reduce(rows, op="sum").cpu()
+    return [bytes(v for v in row.tolist() if v).decode(errors="replace") for row in rows]
+
+
+class Stragglers:
+    """Names a rank whose own time per step stays above the others' median by `margin` (a fraction) and by a
+    tenth of the step (what every rank loses waiting for it) for `patience` log steps in a row; says once per
+    episode, and again once it has caught up."""
+
+    def __init__(self, hosts: list[str], margin: float, patience: int, say):
+        self.hosts, self.margin, self.patience, self.say = hosts, margin, patience, say
+        self.streak = [0] * len(hosts)
+        self.named: set[int] = set()
+
+    def see(self, step: int, per_rank: list[dict]) -> list[int]:
+        """The log step's figures of every rank; returns the ranks named at this step."""
+        if self.patience <= 0 or len(per_rank) < 2:
+            return []
+        named = []
+        for r, mine in enumerate(per_rank):
+            others = [p for i, p in enumerate(per_rank) if i != r]
+            typical = statistics.median(p["own_ms"] for p in others)
+            excess = mine["own_ms"] - typical
+            slow = excess > self.margin * typical and excess > 0.1 * mine["step_ms"]
+            self.streak[r] = self.streak[r] + 1 if slow else 0
+            if slow and self.streak[r] >= self.patience and r not in self.named:
+                self.named.add(r)
+                named.append(r)
+                self.say(self._line(step, r, mine, others, typical))
+            elif not slow and r in self.named:
+                self.named.discard(r)
+                self.say(f"step {step}: rank {r} ({self.hosts[r]}) keeps up with the others again")
+        return named
+
+    def _line(self, step: int, r: int, mine: dict, others: list[dict], typical: float) -> str:
+        data_ms = mine["data_wait_share"] * mine["step_ms"]
+        typical_data = statistics.median(p["data_wait_share"] * p["step_ms"] for p in others)
+        excess = mine["own_ms"] - typical
+        if data_ms - typical_data >= excess / 2:
+            why = (
+                f"it waits on data ({100 * mine['data_wait_share']:.0f}% of its time): raise --num_workers, "
+                "pre-encode the images, or look at its host's disk and network"
+            )
+        else:
+            why = (
+                f"it computes slowly (data wait {100 * mine['data_wait_share']:.0f}% of its time): look for "
+                "another job on its host, a throttled device or a slow hook"
+            )
+        return (
+            f"straggler at step {step}: rank {r} on {self.hosts[r]} spends {mine['own_ms']:.0f} ms per step on its "
+            f"own vs {typical:.0f} ms for the others (median) for {self.streak[r]} log steps, and every rank waits "
+            f"for it; {why}"
+        )
+
+
+class RankSummary:
+    """Each rank's figures averaged over the run's log steps, printed to train.log at the end."""
+
+    def __init__(self, hosts: list[str]):
+        self.hosts = hosts
+        self.sums: list[dict[str, float]] = [{} for _ in hosts]
+        self.windows = 0
+
+    def add(self, per_rank: list[dict]) -> None:
+        self.windows += 1
+        for sums, row in zip(self.sums, per_rank):
+            for k, v in row.items():
+                sums[k] = sums.get(k, 0.0) + v
+
+    def lines(self) -> list[str]:
+        if not self.windows:
+            return []
+        names = list(self.sums[0])
+        width = max(len(h) for h in self.hosts)
+        out = [f"per-rank summary over {self.windows} log steps (means):", f"rank {'host':<{width}} " + " ".join(
+            f"{n:>15}" for n in names
+        )]  # fmt: skip
+        for r, sums in enumerate(self.sums):
+            cells = " ".join(f"{_cell(n, sums[n] / self.windows):>15}" for n in names)
+            out.append(f"{r:>4} {self.hosts[r]:<{width}} {cells}")
+        return out
+
+
+def _cell(name: str, value: float) -> str:
+    return f"{100 * value:.1f}%" if name.endswith("share") else f"{value:.1f}"

@@ -1,0 +1,123 @@
+"""Each rank's figures at every log step, the straggler named, and the summary in train.log: the rule on made-up
+figures (milliseconds), then 2 forked ranks (Gloo) through the loop with one rank slowed on purpose."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+
+import torch
+from multirank import on_ranks
+from test_loop import FakeTask, config, fit
+
+from dalle_pytorch.training.rank_stats import RankSummary, Stragglers
+
+
+def _rank(own_ms, step_ms=100.0, data_wait_share=0.0):
+    return {"step_ms": step_ms, "own_ms": own_ms, "data_wait_share": data_wait_share}
+
+
+def test_a_rank_slow_for_patience_log_steps_is_named_once_and_again_when_it_keeps_up():
+    said = []
+    s = Stragglers(["a", "b", "c"], margin=0.25, patience=3, say=said.append)
+    slow = [_rank(20), _rank(60), _rank(21)]
+    assert [s.see(step, slow) for step in (10, 20)] == [[], []] and not said
+    assert s.see(30, slow) == [1] and len(said) == 1
+    assert re.search(r"straggler at step 30: rank 1 on b spends 60 ms per step on its own vs 20 ms .* computes slowly",
+                     said[0])  # fmt: skip
+    s.see(40, slow)
+    assert len(said) == 1  # once per episode
+    s.see(50, [_rank(20), _rank(21), _rank(20)])
+    assert said[1] == "step 50: rank 1 (b) keeps up with the others again"
+
+
+def test_a_streak_broken_by_one_balanced_log_step_starts_again():
+    said = []
+    s = Stragglers(["a", "b"], margin=0.25, patience=3, say=said.append)
+    for step, own in enumerate([60, 60, 20, 60, 60]):
+        s.see(step, [_rank(20), _rank(own)])
+    assert not said
+
+
+def test_balanced_ranks_and_small_differences_name_no_one():
+    said = []
+    s = Stragglers(["a", "b", "c", "d"], margin=0.25, patience=1, say=said.append)
+    s.see(1, [_rank(20), _rank(22), _rank(19), _rank(21)])  # within the margin
+    s.see(2, [_rank(2), _rank(4), _rank(2), _rank(2)])  # twice the others', but 2 ms of a 100 ms step
+    assert not said
+
+
+def test_a_rank_that_waits_on_data_is_told_from_one_that_computes_slowly():
+    said = []
+    s = Stragglers(["a", "b"], margin=0.25, patience=1, say=said.append)
+    s.see(1, [_rank(20, data_wait_share=0.05), _rank(70, data_wait_share=0.55)])
+    assert "waits on data (55% of its time): raise --num_workers" in said[0]
+
+
+def test_the_summary_has_a_row_per_rank_with_its_means():
+    summary = RankSummary(["hosta", "hostb"])
+    summary.add([_rank(10, data_wait_share=0.1), _rank(30)])
+    summary.add([_rank(20, data_wait_share=0.3), _rank(50)])
+    lines = summary.lines()
+    assert lines[0] == "per-rank summary over 2 log steps (means):"
+    assert lines[2].split() == ["0", "hosta", "100.0", "15.0", "20.0%"]
+    assert lines[3].split() == ["1", "hostb", "100.0", "40.0", "0.0%"]
+
+
+class SlowData(torch.utils.data.Dataset):
+    """The fake task's samples, each `delay` seconds late (a slow disk or network on one rank)."""
+
+    def __init__(self, dataset, delay):
+        self.dataset, self.delay = dataset, delay
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return self.dataset[i]
+
+
+def _fit_slowed(rank, out, compute_ms, data_ms):
+    """Every rank's forward takes compute_ms[rank] more (a sleep), each of its 8 samples data_ms[rank] / 8."""
+    task = FakeTask(os.path.join(out, "fake.pt"), on_loss=lambda step: time.sleep(compute_ms[rank] / 1000))
+    task.dataset = SlowData(task.dataset, data_ms[rank] / 8000)
+    fit(config(out, distributed_backend="ddp", steps=24, log_every=3, quiet=False), task)
+
+
+def _slowed_run(tmp_path, compute_ms, data_ms):
+    out = str(tmp_path)
+    on_ranks(2, _fit_slowed, out, compute_ms, data_ms)
+    log = (tmp_path / "run" / "train.log").read_text()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    return log, rows
+
+
+def test_a_rank_that_computes_slowly_is_named_within_a_few_log_steps(tmp_path):
+    log, rows = _slowed_run(tmp_path, compute_ms=[0, 60], data_ms=[0, 0])
+    named = re.findall(r"straggler at step (\d+): rank (\d) on (\S+) .* it computes slowly", log)
+    assert [(rank, host) for _, rank, host in named] == [("1", socket.gethostname())], log
+    assert int(named[0][0]) <= 4 * 3  # 3 log steps in a row (of 3 steps each), give or take the first
+    # every rank's figures, one scalar each, at every log step; the slowed forward shows in rank 1's own time
+    assert [r["step"] for r in rows] == list(range(3, 25, 3))
+    figures = ("step_ms", "own_ms", "data_wait_share", "cpu_percent", "rss_mb", "peak_memory_mb")
+    assert all(f"rank{r}/{f}" in row for row in rows for r in (0, 1) for f in figures)
+    last = rows[-1]
+    assert last["rank1/own_ms"] > 55 > 10 > last["rank0/own_ms"] and last["rank0/step_ms"] > 55
+    assert 0 < last["rank0/rss_mb"] <= last["rank0/peak_memory_mb"]
+    assert "per-rank summary over 8 log steps" in log and "memory_mb_per_rank" not in log
+    assert not re.search(r"step \d+/24 .*rank1/", log)  # the console line keeps to the reduced figures
+
+
+def test_a_rank_that_waits_on_data_is_named_as_such(tmp_path):
+    log, rows = _slowed_run(tmp_path, compute_ms=[0, 0], data_ms=[0, 60])
+    assert re.search(r"straggler at step \d+: rank 1 on .* it waits on data \(\d+% of its time\)", log), log
+    assert rows[-1]["rank1/data_wait_share"] > 0.5 > 0.2 > rows[-1]["rank0/data_wait_share"]
+
+
+def test_balanced_ranks_are_not_named(tmp_path):
+    log, _ = _slowed_run(tmp_path, compute_ms=[30, 30], data_ms=[10, 10])
+    assert "straggler" not in log and "per-rank summary" in log
