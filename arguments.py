@@ -16,6 +16,7 @@ from dalle_pytorch.compat import flags as predecessor_flags
 from dalle_pytorch.config import FileParser, add_flags, flag, take
 from dalle_pytorch.data.shards import RETRIES
 from dalle_pytorch.training.ema import check_decay
+from dalle_pytorch.training.mlflow_log import DEFAULT_URI as DEFAULT_MLFLOW_URI
 from distributed import BACKEND_OPTIONS, BACKENDS, StepOptions, topology_from_env
 from distributed.ray_config import RayOptions
 
@@ -118,6 +119,14 @@ class TrainConfig:
     wandb: bool = flag(False, "log to Weights & Biases too (offline unless WANDB_MODE says otherwise)")
     wandb_project: str = flag("dalle-pytorch", "Weights & Biases project")
     wandb_entity: str = flag("", "Weights & Biases entity (user or team; default: your account's)")
+    mlflow: str = flag(
+        "",
+        "log to MLflow: the config as parameters, the metrics with each rank's, sample grids and the export as "
+        "artifacts; --resume goes on in the same MLflow run. --mlflow URI (http://host:5000, sqlite:///mlflow.db); "
+        "--mlflow alone: MLFLOW_TRACKING_URI or MLflow's default store",
+        const=DEFAULT_MLFLOW_URI,
+    )
+    mlflow_experiment: str = flag("dalle-pytorch", "MLflow experiment (created when missing)")
     quiet: bool = flag(False, "no progress bar")
     debug: bool = flag(False, "show Python tracebacks for user errors")
 

@@ -19,10 +19,14 @@ def flag(
     type: Callable | None = None,
     aliases: tuple = (),
     positional: bool = False,
+    const: Any = None,
 ) -> Any:
     """A field with a help text; `type` parses a value that the default's type cannot (--top_k 0.9),
-    `aliases` are other spellings of the flag; a `positional` one is an optional argument without --."""
+    `aliases` are other spellings of the flag; a `positional` one is an optional argument without --; with
+    `const` the flag's value is optional (`--mlflow` alone means `const`, `--mlflow URI` the URI)."""
     meta = {"help": help, "positional": positional}
+    if const is not None:
+        meta["const"] = const
     if choices is not None:
         meta["choices"] = choices
     if type is not None:
@@ -51,6 +55,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str) -> argparse._Arg
             kw["type"] = type(default[0]) if default else str
         else:
             kw["type"] = f.metadata.get("type") or (type(default) if default is not None else str)
+        if "const" in f.metadata:
+            kw.update(nargs="?", const=f.metadata["const"])
         if f.metadata.get("positional"):
             group.add_argument(f.name, nargs="?", **kw)
             continue

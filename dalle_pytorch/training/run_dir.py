@@ -18,19 +18,31 @@ import torch
 
 class RunDir:
     def __init__(
-        self, path: str, is_main: bool, tensorboard: bool = True, wandb_project: str | None = None, wandb_entity=""
+        self,
+        path: str,
+        is_main: bool,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_entity="",
+        mlflow: str = "",
+        mlflow_experiment: str = "dalle-pytorch",
+        resumed: bool = False,
     ):
         self.path = path
         self.is_main = False
         self.samples = os.path.join(path, "samples")
         self.checkpoints = os.path.join(path, "checkpoints")
         self._tensorboard, self._wandb_project, self._wandb_entity = tensorboard, wandb_project, wandb_entity or None
+        self._mlflow_uri, self._mlflow_experiment, self._resumed = mlflow, mlflow_experiment, resumed
         self._tb = None
         self._log = None
         self._wandb = None
+        self._mlflow = None
+        self._started = False  # becoming rank 0 after this: an elastic takeover
         self.config: dict = {}
         if is_main:
             self.become_main()
+        self._started = True
 
     def become_main(self) -> None:
         """Start writing the run's files: at startup on rank 0, or later on the worker that an elastic run
@@ -41,6 +53,15 @@ class RunDir:
         os.makedirs(self.samples, exist_ok=True)
         os.makedirs(self.checkpoints, exist_ok=True)
         self._log = open(os.path.join(self.path, "train.log"), "a", buffering=1)
+        if self._mlflow_uri:
+            from .mlflow_log import MLflowRun
+
+            # a resumed run, or an elastic run's new rank 0, goes on in the same MLflow run
+            self._mlflow = MLflowRun(
+                self.path, self._mlflow_uri, self._mlflow_experiment, self._resumed or self._started
+            )
+            if self.config:
+                self._mlflow.set_config(self.config)
         if self._wandb_project:
             try:
                 import wandb
@@ -70,6 +91,8 @@ class RunDir:
         self.config = config
         if self._wandb is not None:
             self._wandb.config.update(config, allow_val_change=True)
+        if self._mlflow is not None:
+            self._mlflow.set_config(config)
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
@@ -100,24 +123,34 @@ class RunDir:
             for k, v in row.items():
                 if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics(step, row)
 
     def log_image(self, step: int, key: str, path: str) -> None:
-        """A sample grid written to `path`, also to Weights & Biases when it is on."""
+        """A sample grid written to `path`, also to Weights & Biases and MLflow (under samples/) when they are on."""
         if self._wandb is not None:
             import wandb
 
             self._wandb.log({key: wandb.Image(path)}, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_artifact(path, key)
 
     def log_artifact(self, path: str) -> None:
-        """The export, as a Weights & Biases model artifact named after the run, when it is on."""
+        """The export, as a Weights & Biases model artifact named after the run and an MLflow artifact under
+        export/, when they are on."""
         if self._wandb is not None:
             import wandb
 
             artifact = wandb.Artifact(f"{os.path.basename(self.path)}-export", type="model")
             artifact.add_file(path)
             self._wandb.log_artifact(artifact)
+        if self._mlflow is not None:
+            self._mlflow.log_artifact(path, "export")
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """`status`: how the run ended, for MLflow: FINISHED, FAILED, or KILLED (stopped by SIGTERM, to resume)."""
+        if self._mlflow is not None:
+            self._mlflow.close(status)
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

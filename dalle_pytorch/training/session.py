@@ -38,14 +38,18 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
     backend.setup()
     set_threads(cfg.threads, backend.topo)
     torch.manual_seed(cfg.seed)
-    run = RunDir(
-        os.path.join(cfg.output_dir, cfg.name or default_name),
-        backend.is_main,
-        cfg.tensorboard,
-        cfg.wandb_project if cfg.wandb else None,
-        cfg.wandb_entity,
-    )
+    status, run = "FAILED", None  # how the run ended, for MLflow
     try:
+        run = RunDir(
+            os.path.join(cfg.output_dir, cfg.name or default_name),
+            backend.is_main,
+            cfg.tensorboard,
+            cfg.wandb_project if cfg.wandb else None,
+            cfg.wandb_entity,
+            cfg.mlflow,
+            cfg.mlflow_experiment,
+            resumed=bool(cfg.resume),
+        )
         if not recovery.world_size_may_change:  # an elastic joiner meets no startup collective (see below)
             check_shared_storage(backend, run.path)
         resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
@@ -63,6 +67,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         try:
             yield backend, recovery, run
         except Stopped:  # SIGTERM: every rank saved at the same step and leaves together, as on success
+            status = "KILLED"
             backend.barrier()
             raise
         except Exception as e:  # a collective that timed out: name the ranks that stopped answering
@@ -74,8 +79,10 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         # on success, no rank leaves the group while a peer may still be in a collective: a peer whose
         # connection closes mid-collective aborts (seen as a rare exit -6 under deepspeed ZeRO-3)
         backend.barrier()
+        status = "FINISHED"
     finally:
-        run.close()
+        if run is not None:
+            run.close(status)
         backend.teardown()
 
 
