@@ -14,9 +14,10 @@ Writes runs/clip/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/
 
 from __future__ import annotations
 
-from arguments import CLIPRunConfig, TrainConfig, build_parser, run_fit, take
+from arguments import build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.clip import CLIPConfig
+from dalle_pytorch.training.configs import CLIPRunConfig, TrainConfig
 
 
 def main(argv=None):

@@ -15,9 +15,10 @@ and a fingerprint of their weights, and generate.py reads the files again.
 
 from __future__ import annotations
 
-from arguments import DALLERunConfig, TrainConfig, build_parser, run_fit, take
+from arguments import build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.dalle import DALLEConfig
+from dalle_pytorch.training.configs import DALLERunConfig, TrainConfig
 
 
 def main(argv=None):

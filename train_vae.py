@@ -10,9 +10,10 @@ Writes runs/vae/ (config.json, metrics.jsonl, train.log, samples/, checkpoints/)
 
 from __future__ import annotations
 
-from arguments import TrainConfig, VAERunConfig, build_parser, run_fit, take
+from arguments import build_parser, run_fit, take
 from dalle_pytorch.errors import user_errors
 from dalle_pytorch.models.vae import VAEConfig
+from dalle_pytorch.training.configs import TrainConfig, VAERunConfig
 
 
 def main(argv=None):

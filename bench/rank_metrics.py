@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arguments import TrainConfig  # noqa: E402
 from dalle_pytorch.training import metrics  # noqa: E402
+from dalle_pytorch.training.configs import TrainConfig  # noqa: E402
 from dalle_pytorch.training.loop import train  # noqa: E402
 from dalle_pytorch.training.rank_stats import RankClock  # noqa: E402
 from dalle_pytorch.training.session import training_session  # noqa: E402

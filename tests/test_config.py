@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from arguments import TrainConfig
 from dalle_pytorch.config import FileParser, add_flags, take
+from dalle_pytorch.training.configs import TrainConfig
 from distributed import DeepSpeedOptions
 
 

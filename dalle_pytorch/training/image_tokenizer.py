@@ -4,7 +4,6 @@ its tokenizer, and the image tokens precomputed once for --precompute_tokens."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -124,13 +123,10 @@ def tokenizer_flag(flags: Mapping) -> str:
     return f"--vae_path {flags['vae_path']}"
 
 
-def check_same_tokenizer(run_dir: str, vae_id: str, vae_flag: str) -> None:
-    """A resumed run must keep its image tokenizer: another one changes the meaning of every image token."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        recorded = json.load(f).get("vae_fingerprint")
+def check_same_tokenizer(record: dict, vae_id: str, vae_flag: str) -> None:
+    """A resumed run must keep its image tokenizer: another one changes the meaning of every image token.
+    `record`: the run's config.json (RunDir.recorded)."""
+    recorded = record.get("vae_fingerprint")
     if recorded and recorded != vae_id:
         raise ValueError(
             f"{vae_flag} is not the VAE this run was trained with (fingerprint {vae_id}, the run "

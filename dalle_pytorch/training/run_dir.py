@@ -1,5 +1,5 @@
-"""The run directory: config.json, config.yaml (the flags, for --config), metrics.jsonl, train.log, TensorBoard
-events, samples/, checkpoints/.
+"""The run directory: where it is, its record (config.json, and config.yaml: the flags, for --config), what it
+logs (metrics.jsonl, train.log, TensorBoard events, wandb, MLflow), samples/, checkpoints/.
 
 Only rank 0 writes; the other ranks get an object whose methods do nothing, so callers never branch.
 """
@@ -87,6 +87,34 @@ class RunDir:
         print(line, flush=True)
         self._log.write(line + "\n")
 
+    @staticmethod
+    def path_of(cfg, default_name: str) -> str:
+        """Where a run goes: --output_dir/--name, the trainer's name (vae, dalle, clip) without --name."""
+        return os.path.join(cfg.output_dir, cfg.name or default_name)
+
+    @staticmethod
+    def recorded(path: str) -> dict | None:
+        """The record (config.json) of the run in the directory `path`, or None before its first start."""
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
+    def record(self, configs: dict, backend_options: dict, derived: dict) -> None:
+        """What the run is: config.json (the resolved configs, the options of the backend that runs, `derived`:
+        backend, launcher, world size, accumulation, global batch) and config.yaml (its flags by section, which
+        `--config` reads back to relaunch it)."""
+        resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
+        resolved.update({k: dataclasses.asdict(v) for k, v in backend_options.items()})
+        self.write_config({**resolved, "derived": derived})
+        if self.is_main:
+            import yaml
+
+            with open(os.path.join(self.path, "config.yaml"), "w") as f:
+                f.write("# this run's flags: relaunch it with  --config THIS_FILE --resume auto\n")
+                yaml.safe_dump(flag_sections({**configs, **backend_options}), f, sort_keys=False)
+
     def write_config(self, config: dict) -> None:
         self.config = config
         if self._wandb is not None:
@@ -96,15 +124,6 @@ class RunDir:
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
-
-    def write_flags(self, sections: dict) -> None:
-        """config.yaml: the run's flags by section, which `--config` reads back (the command line overrides it)."""
-        if self.is_main:
-            import yaml
-
-            with open(os.path.join(self.path, "config.yaml"), "w") as f:
-                f.write("# this run's flags: relaunch it with  --config THIS_FILE --resume auto\n")
-                yaml.safe_dump(sections, f, sort_keys=False)
 
     def update_config(self, section: str, value) -> None:
         """Rewrite one section once it is known (DALLE's vocabulary sizes come from the tokenizer and VAE)."""
@@ -157,6 +176,19 @@ class RunDir:
             self._tb.close()
         if self._log is not None:
             self._log.close()
+
+
+def flag_sections(configs: dict) -> dict:
+    """The flags of a run, by section: what `--config runs/NAME/config.yaml` reads back to relaunch it."""
+    return {
+        title: {f.name: _listed(getattr(obj, f.name)) for f in dataclasses.fields(obj) if "help" in f.metadata}
+        for title, obj in configs.items()
+        if dataclasses.is_dataclass(obj)
+    }
+
+
+def _listed(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _plain(v):

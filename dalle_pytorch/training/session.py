@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import socket
@@ -41,7 +40,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
     status, run = "FAILED", None  # how the run ended, for MLflow
     try:
         run = RunDir(
-            os.path.join(cfg.output_dir, cfg.name or default_name),
+            RunDir.path_of(cfg, default_name),
             backend.is_main,
             cfg.tensorboard,
             cfg.wandb_project if cfg.wandb else None,
@@ -52,18 +51,18 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         )
         if not recovery.world_size_may_change:  # an elastic joiner meets no startup collective (see below)
             check_shared_storage(backend, run.path)
-        resolved = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in configs.items()}
-        resolved.update({k: dataclasses.asdict(v) for k, v in backend_options.items()})
         accum = cfg.accumulation_steps(backend.world_size)
-        resolved["derived"] = {
-            "backend": backend.name,
-            "launcher": topo.launcher,
-            "world_size": backend.world_size,
-            "accumulation_steps": accum,
-            "global_batch_size": cfg.batch_size * backend.world_size * accum,
-        }
-        run.write_config(resolved)
-        run.write_flags(flag_sections({**configs, **backend_options}))
+        run.record(
+            configs,
+            backend_options,
+            {
+                "backend": backend.name,
+                "launcher": topo.launcher,
+                "world_size": backend.world_size,
+                "accumulation_steps": accum,
+                "global_batch_size": cfg.batch_size * backend.world_size * accum,
+            },
+        )
         try:
             yield backend, recovery, run
         except Stopped:  # SIGTERM: every rank saved at the same step and leaves together, as on success
@@ -145,16 +144,3 @@ def check_shared_storage(backend, run_path: str) -> None:
             "every host sees (a shared filesystem: NFS, Lustre, ...), since every rank writes its part of each "
             "checkpoint there and reads the whole back on resume"
         )
-
-
-def flag_sections(configs: dict) -> dict:
-    """The flags of a run, by section: what `--config runs/NAME/config.yaml` reads back to relaunch it."""
-    return {
-        title: {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj) if "help" in f.metadata}
-        for title, obj in configs.items()
-        if dataclasses.is_dataclass(obj)
-    }
-
-
-def _plain(value):
-    return list(value) if isinstance(value, tuple) else value

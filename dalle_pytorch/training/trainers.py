@@ -1,13 +1,12 @@
 """What each training script runs, given its parsed configs: the session, the data, the model, the task,
 the loop, and the export. The scripts at the root parse flags and call these (fit_vae, fit_dalle, fit_clip).
 
-The run configs (VAERunConfig, DALLERunConfig, CLIPRunConfig) and TrainConfig live in arguments.py, which this
-package does not import (nothing imports a script)."""
+The run configs they take (VAERunConfig, DALLERunConfig, CLIPRunConfig, and TrainConfig) are in configs.py; each
+fit function's `run_name` is its run directory's name without --name."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -21,6 +20,7 @@ from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
 from .batches import total_steps
 from .clip_task import CLIPTask
+from .configs import CLIPRunConfig, DALLERunConfig, TrainConfig, VAERunConfig
 from .dalle_task import DALLETask
 from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
@@ -33,14 +33,15 @@ from .image_tokenizer import (
     tokenizer_flag,
 )
 from .loop import train
+from .run_dir import RunDir
 from .session import shared_text_tokenizer, training_session
 from .vae_task import VAETask
 
 
-def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
-    """train_vae.py's run: `run_cfg` its VAERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backend_options: dict) -> str:
+    """train_vae.py's run; returns the export's path."""
     configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
-    with training_session(cfg, "vae", configs, backend_options) as (backend, recovery, run):
+    with training_session(cfg, fit_vae.run_name, configs, backend_options) as (backend, recovery, run):
         spec = DataSpec(
             run_cfg.image_folder, "--image_folder", run_cfg.wds, False, model_cfg.image_size, model_cfg.channels,
             run_cfg.resize_ratio, run_cfg.val_image_folder, "--val_image_folder",
@@ -64,24 +65,24 @@ def fit_vae(model_cfg: VAEConfig, run_cfg, cfg, backend_options: dict) -> str:
         return task.export_path
 
 
-def fit_dalle(model_cfg: DALLEConfig, run_cfg, cfg, backend_options: dict) -> str:
-    """train_dalle.py's run: `run_cfg` its DALLERunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict) -> str:
+    """train_dalle.py's run; returns the export's path."""
     flags = vars(run_cfg)
     start = None
     if run_cfg.dalle_path:
         start, model_cfg, vae, vae_export, vae_id = _start_from(run_cfg, model_cfg)
     else:
         vae, vae_export, vae_id = load_image_tokenizer(flags)
-    if cfg.resume:
-        run_dir = os.path.join(cfg.output_dir, cfg.name or "dalle")
-        check_same_tokenizer(run_dir, vae_id, tokenizer_flag(flags))
-        if run_cfg.bpe_path and not _recorded(run_dir, "bpe_lowercase"):
+    previous = RunDir.recorded(RunDir.path_of(cfg, fit_dalle.run_name)) if cfg.resume else None
+    if previous is not None:
+        check_same_tokenizer(previous, vae_id, tokenizer_flag(flags))
+        if run_cfg.bpe_path and "bpe_lowercase" not in previous.get("dalle", {}):
             run_cfg.bpe_lowercase = True  # a run started before the flag existed lowercased its captions
             flags = vars(run_cfg)
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
-    with training_session(cfg, "dalle", configs, backend_options) as (backend, recovery, run):
+    with training_session(cfg, fit_dalle.run_name, configs, backend_options) as (backend, recovery, run):
         data = datasets(caption_spec(run_cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions), cfg,
                         backend, run)  # fmt: skip
         pairs, val_pairs, heldout = data.train, data.val, data.heldout
@@ -134,15 +135,6 @@ def caption_spec(run_cfg, image_size: int, channels: int, heldout_captions: int 
     )  # fmt: skip
 
 
-def _recorded(run_dir: str, key: str) -> bool:
-    """Whether the run's config.json records `key` in its dalle section (True for a run without a config yet)."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        return True
-    with open(path) as f:
-        return key in json.load(f).get("dalle", {})
-
-
 # what --dalle_path fixes (its export's model) and what a fine-tuning run may still change
 _TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weight", "null_cond_prob")
 
@@ -168,13 +160,13 @@ def _start_from(run_cfg, model_cfg: DALLEConfig):
     return start, dataclasses.replace(theirs, **changed), vae, start["vae"], tokenizer_fingerprint(start["vae"])
 
 
-def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
-    """train_clip.py's run: `run_cfg` its CLIPRunConfig, `cfg` the TrainConfig (arguments.py); returns the export."""
+def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, cfg: TrainConfig, backend_options: dict) -> str:
+    """train_clip.py's run; returns the export's path."""
     fit = dalle_fit(run_cfg.dalle_path) if run_cfg.dalle_path else None
     size = fit["image_size"] if fit else run_cfg.image_size
     channels = fit["channels"] if fit else run_cfg.channels
     configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
-    with training_session(cfg, "clip", configs, backend_options) as (backend, recovery, run):
+    with training_session(cfg, fit_clip.run_name, configs, backend_options) as (backend, recovery, run):
         data = datasets(caption_spec(run_cfg, size, channels), cfg, backend, run)
         pairs, val_pairs = data.train, data.val
         if fit:
@@ -202,3 +194,6 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg, cfg, backend_options: dict) -> str:
         pos = train(task, cfg, backend, recovery, run)
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
+
+
+fit_vae.run_name, fit_dalle.run_name, fit_clip.run_name = "vae", "dalle", "clip"

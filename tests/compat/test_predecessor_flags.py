@@ -26,9 +26,9 @@ def parse(script, argv, monkeypatch=None, world: int = 1):
 
 
 def _configs(script):
-    from arguments import DALLERunConfig, TrainConfig, VAERunConfig
     from dalle_pytorch.models.dalle import DALLEConfig
     from dalle_pytorch.models.vae import VAEConfig
+    from dalle_pytorch.training.configs import DALLERunConfig, TrainConfig, VAERunConfig
 
     if script == "train_dalle":
         return (DALLEConfig, "model"), (DALLERunConfig, "run"), (TrainConfig, "training")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from arguments import TrainConfig
+from dalle_pytorch.training.configs import TrainConfig
 from distributed import HorovodOptions, StepOptions, Topology, make_backend
 from distributed.deepspeed_config import build_config, choose_zero_stage, zero_memory_bytes
 from distributed.topology import resolve_backend, topology_from_env

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from arguments import TrainConfig
+from dalle_pytorch.training.configs import TrainConfig
 from distributed import watchdog
 
 

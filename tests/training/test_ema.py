@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_loop import Crash, FakeTask, _crash_at, config, fit
 
-from arguments import TrainConfig
 from dalle_pytorch.inference.export import export_weights
+from dalle_pytorch.training.configs import TrainConfig
 from dalle_pytorch.training.ema import ema_decay
 
 

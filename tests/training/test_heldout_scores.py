@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from arguments import TrainConfig
 from dalle_pytorch.data.shapes import ShapesDataset
 from dalle_pytorch.training import dalle_task
+from dalle_pytorch.training.configs import TrainConfig
 from dalle_pytorch.training.dalle_task import DALLETask
 from dalle_pytorch.training.data import heldout_scenes
 

@@ -14,8 +14,8 @@ import torch
 from multirank import on_ranks
 from torch import nn
 
-from arguments import TrainConfig
 from dalle_pytorch.training.checkpoints import step_dirs
+from dalle_pytorch.training.configs import TrainConfig
 from dalle_pytorch.training.loop import Position, train
 from dalle_pytorch.training.session import training_session
 from dalle_pytorch.training.signals import Stopped
