@@ -121,3 +121,23 @@ def test_a_rank_that_waits_on_data_is_named_as_such(tmp_path):
 def test_balanced_ranks_are_not_named(tmp_path):
     log, _ = _slowed_run(tmp_path, compute_ms=[30, 30], data_ms=[10, 10])
     assert "straggler" not in log and "per-rank summary" in log
+
+
+def test_each_ranks_figures_are_scalars_in_tensorboard_and_wandb(tmp_path, monkeypatch):
+    """One scalar per rank and figure (lists were dropped there): TensorBoard's tags and wandb's summary."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    fit(config(tmp_path, log_every=4, tensorboard=True, wandb=True), FakeTask(str(tmp_path / "x.pt")))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"rank0/step_ms", "rank0/own_ms", "rank0/cpu_percent", "rank0/rss_mb", "loss"} <= tags
+    assert [e.step for e in events.Scalars("rank0/step_ms")] == [4, 8]
+    # wandb's offline record (protobuf in a log of records: the history's keys are stored as they are)
+    (record,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    logged = set(re.findall(rb"rank0/[a-z_]+", open(record, "rb").read()))
+    assert {b"rank0/step_ms", b"rank0/own_ms", b"rank0/data_wait_share", b"rank0/peak_memory_mb"} <= logged
