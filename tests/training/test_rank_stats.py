@@ -81,16 +81,30 @@ class SlowData(torch.utils.data.Dataset):
         return self.dataset[i]
 
 
-def _fit_slowed(rank, out, compute_ms, data_ms):
+BUSY_HOOK = """
+import time
+
+from dalle_pytorch.training.hooks import Hooks
+
+
+class BusyRank1(Hooks):
+    def before_step(self, ctx, step):  # 60 ms of a busy loop on rank 1's core before each step
+        end = time.perf_counter() + (0.06 if ctx.rank == 1 else 0)
+        while time.perf_counter() < end:
+            pass
+"""
+
+
+def _fit_slowed(rank, out, compute_ms, data_ms, hooks):
     """Every rank's forward takes compute_ms[rank] more (a sleep), each of its 8 samples data_ms[rank] / 8."""
     task = FakeTask(os.path.join(out, "fake.pt"), on_loss=lambda step: time.sleep(compute_ms[rank] / 1000))
     task.dataset = SlowData(task.dataset, data_ms[rank] / 8000)
-    fit(config(out, distributed_backend="ddp", steps=24, log_every=3, quiet=False), task)
+    fit(config(out, distributed_backend="ddp", steps=24, log_every=3, quiet=False, hooks=hooks), task)
 
 
-def _slowed_run(tmp_path, compute_ms, data_ms):
+def _slowed_run(tmp_path, compute_ms, data_ms, hooks=""):
     out = str(tmp_path)
-    on_ranks(2, _fit_slowed, out, compute_ms, data_ms)
+    on_ranks(2, _fit_slowed, out, compute_ms, data_ms, hooks)
     log = (tmp_path / "run" / "train.log").read_text()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     return log, rows
@@ -110,6 +124,14 @@ def test_a_rank_that_computes_slowly_is_named_within_a_few_log_steps(tmp_path):
     assert 0 < last["rank0/rss_mb"] <= last["rank0/peak_memory_mb"]
     assert "per-rank summary over 8 log steps" in log and "memory_mb_per_rank" not in log
     assert not re.search(r"step \d+/24 .*rank1/", log)  # the console line keeps to the reduced figures
+
+
+def test_a_hook_that_keeps_rank_1_busy_names_it(tmp_path):
+    (tmp_path / "busy.py").write_text(BUSY_HOOK)
+    log, rows = _slowed_run(tmp_path, compute_ms=[0, 0], data_ms=[0, 0], hooks=f"{tmp_path / 'busy.py'}:BusyRank1")
+    named = re.findall(r"straggler at step (\d+): rank (\d) on \S+ .* it computes slowly", log)
+    assert [rank for _, rank in named] == ["1"] and int(named[0][0]) <= 12, log
+    assert rows[-1]["rank1/cpu_percent"] > 50  # a busy loop, not a sleep
 
 
 def test_a_rank_that_waits_on_data_is_named_as_such(tmp_path):
