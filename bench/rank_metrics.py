@@ -13,6 +13,7 @@ same in both).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -113,7 +114,7 @@ def run(rank: int, ports: list[int], args, tmp: str, out) -> None:
             task = Regression(os.path.join(tmp, "x.pt"), args.width)
             calls.clear()
             os.environ["MASTER_PORT"] = str(ports.pop())  # a new group each run: its own store
-            with NoFigures() if kind == "without" else _Nothing():
+            with NoFigures() if kind == "without" else contextlib.nullcontext():
                 with training_session(cfg, "bench", {"train": cfg}, {}) as (backend, recovery, run_dir):
                     t0 = time.perf_counter()
                     train(task, cfg, backend, recovery, run_dir)
@@ -141,14 +142,6 @@ def clock_costs(n: int = 20000) -> tuple[float, float]:
     for _ in range(n // 10):
         clock.figures(10)
     return 1e6 * per_step, 1e6 * (time.perf_counter() - t0) / (n // 10)
-
-
-class _Nothing:
-    def __enter__(self):
-        pass
-
-    def __exit__(self, *exc):
-        pass
 
 
 def main(argv=None):
