@@ -66,7 +66,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,extra", CASES, ids=[f"{k}{'-' + e[-1] if e else ''}" for k, e in CASES])
+# Ray's DDP case (33 s: a local Ray started for it) runs under `make test-all`; make test keeps Ray's ZeRO-2 one and
+# the cluster tier's Ray tests (FSDP on 2 hosts, an elastic run)
+SLOW_CASES = {("ray", "ddp")}
+
+
+@pytest.mark.parametrize(
+    "kind,extra",
+    [pytest.param(k, e, marks=[pytest.mark.slow] if (k, e[-1] if e else "") in SLOW_CASES else []) for k, e in CASES],
+    ids=[f"{k}{'-' + e[-1] if e else ''}" for k, e in CASES],
+)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["no-accum", "accum2"])
 def test_two_ranks_equal_one_process(kind, extra, accumulate, vae_path, reference, tmp_path):
     if accumulate and kind in ("torchrun-fsdp",) or accumulate and extra[-1:] in (["1"], ["3"]):
