@@ -163,3 +163,17 @@ def test_each_ranks_figures_are_scalars_in_tensorboard_and_wandb(tmp_path, monke
     (record,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
     logged = set(re.findall(rb"rank0/[a-z_]+", open(record, "rb").read()))
     assert {b"rank0/step_ms", b"rank0/own_ms", b"rank0/data_wait_share", b"rank0/peak_memory_mb"} <= logged
+
+
+def test_the_others_median_is_the_median_of_the_list_without_each_rank():
+    import random
+    import statistics
+
+    from dalle_pytorch.training.rank_stats import OthersMedian
+
+    rng = random.Random(0)
+    for n in (2, 3, 4, 7, 10):
+        values = [rng.choice([1.0, 2.0, 5.0, rng.random()]) for _ in range(n)]
+        medians = OthersMedian(values)
+        for r in range(n):
+            assert medians.without(r) == statistics.median(values[:r] + values[r + 1 :]), (values, r)
