@@ -74,6 +74,11 @@ def run_fit(fit, ns: argparse.Namespace, *configs):
             return fit(*configs, cfg, backend_options)
         from distributed.ray_launcher import run_on_ray
 
+        if cfg.mlflow:  # the workers run elsewhere: the tracking store this process would use
+            from dalle_pytorch.training.mlflow_log import absolute_uri
+
+            cfg.mlflow = absolute_uri(cfg.mlflow)
+
         return run_on_ray(fit, configs, cfg, backend_options, ray, RunDir.path_of(cfg, fit.run_name))
     except Stopped as e:  # the loop said so: "SIGTERM: saved a checkpoint at step N; resume with --resume auto"
         if cfg.exit_code_on_stop:

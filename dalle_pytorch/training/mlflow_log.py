@@ -2,10 +2,15 @@
 
 The run's config is logged as parameters (`train.learning_rate`, `model.dim`, ...) once it is whole (at the first
 metrics: DALLE's vocabulary sizes are known only after the tokenizer), the metrics of every log step with each
-rank's figures (`rank1/step_ms`), the sample grids under `samples/` and the export under `export/`. The MLflow run's
-id is kept in the run directory (mlflow_run_id), so `--resume auto` (or a worker that an elastic run made rank 0)
-goes on in the same MLflow run. Through MlflowClient, with the run id passed each time: no process-global
-"active run", which Ray's worker thread or a user's own MLflow use could disturb.
+rank's figures (`rank1/step_ms`), the sample grids under `samples/`, and the export under `export/` when the run
+ends (finished, or stopped by SIGTERM: uploading a large export at every checkpoint would hold every rank up). The
+MLflow run's id is kept in the run directory (mlflow_run_id), so `--resume auto` (or a worker that an elastic run
+made rank 0) goes on in the same MLflow run. Through MlflowClient, with the run id passed each time: no
+process-global "active run", which Ray's worker thread or a user's own MLflow use could disturb.
+
+A server that does not answer at start stops the run in one line; one that fails later costs one warning, and the
+run goes on without MLflow (rank 0 waiting minutes on its retries would stall every rank): the run directory has
+everything.
 """
 
 from __future__ import annotations
@@ -16,37 +21,52 @@ import time
 
 RUN_ID_FILE = "mlflow_run_id"
 DEFAULT_URI = "env"  # --mlflow alone: MLFLOW_TRACKING_URI, else MLflow's default store
+# MLflow's client retries a request 7 times (minutes) by default; the other ranks wait in a collective meanwhile
+RETRIES, TIMEOUT_S = "2", "20"
 
 
 class MLflowRun:
-    def __init__(self, run_path: str, uri: str, experiment: str, continue_run: bool):
+    def __init__(self, run_path: str, uri: str, experiment: str, continue_run: bool, say=print):
         try:
             from mlflow import MlflowClient
+            from mlflow.exceptions import MlflowException
         except ImportError:
             raise ImportError("--mlflow needs the mlflow package: run `make install` (or pip install mlflow)") from None
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", RETRIES)
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", TIMEOUT_S)
+        self._say = say
         self._client = MlflowClient(None if uri == DEFAULT_URI else uri)
-        _probe(self._client.tracking_uri)
+        self.uri = self._client.tracking_uri
+        _probe(self.uri)
         id_file = os.path.join(run_path, RUN_ID_FILE)
         previous = _read(id_file) if continue_run else None
         try:
+            self.run_id, self._logged = None, set()
             if previous:
-                self.run_id = previous
-                self._client.update_run(previous, status="RUNNING")
-                self._logged = set(self._client.get_run(previous).data.params)
-            else:
+                try:
+                    self._logged = set(self._client.get_run(previous).data.params)
+                    self._client.update_run(previous, status="RUNNING")
+                    self.run_id = previous
+                except MlflowException as e:
+                    if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                        raise
+                    say(f"MLflow at {self.uri} has no run {previous} (recorded in {id_file}): starting a new one")
+            if self.run_id is None:
                 found = self._client.get_experiment_by_name(experiment)
                 exp_id = found.experiment_id if found else self._client.create_experiment(experiment)
                 self.run_id = self._client.create_run(exp_id, run_name=os.path.basename(run_path)).info.run_id
-                self._logged = set()
-        except Exception as e:  # noqa: BLE001 - a server that is down or refuses: one line, before training
+        except MlflowException as e:  # the server answers and refuses (permissions, a bad store): one line
+            raise ValueError(f"--mlflow {uri}: MLflow refused ({e.error_code}: {_first_line(e)})") from None
+        except Exception as e:  # noqa: BLE001 - a server that stopped answering after the probe: one line
             raise ConnectionError(
                 f"--mlflow {uri}: the tracking server did not answer ({type(e).__name__}: {_first_line(e)}); start it "
                 "(mlflow server --backend-store-uri sqlite:///mlflow.db), fix the URI, or drop --mlflow"
-            ) from e
+            ) from None
         with open(id_file, "w") as f:
             f.write(self.run_id)
-        self.uri = self._client.tracking_uri
         self._params_pending: dict | None = None
+        self._export: str | None = None
+        self._broken = False
 
     def set_config(self, config: dict) -> None:
         """The run's config (config.json's dict); logged as parameters with the first metrics."""
@@ -55,23 +75,46 @@ class MLflowRun:
     def log_metrics(self, step: int, row: dict) -> None:
         from mlflow.entities import Metric
 
-        self._log_params()
         ms = int(time.time() * 1000)
         metrics = [
             Metric(k, float(v), ms, step)
             for k, v in row.items()
             if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)
         ]
-        for i in range(0, len(metrics), 1000):  # the REST API takes at most 1000 metrics per batch
-            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
+
+        def log():
+            self._log_params()
+            for i in range(0, len(metrics), 1000):  # the REST API takes at most 1000 metrics per batch
+                self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
+
+        self._guard(f"the metrics of step {step}", log)
 
     def log_artifact(self, path: str, folder: str) -> None:
-        self._client.log_artifact(self.run_id, path, folder)
+        self._guard(f"uploading {path}", lambda: self._client.log_artifact(self.run_id, path, folder))
+
+    def keep_export(self, path: str) -> None:
+        """The export, uploaded under export/ when the run ends (it is rewritten at every checkpoint)."""
+        self._export = path
 
     def close(self, status: str) -> None:
         """FINISHED, FAILED, or KILLED (SIGTERM: saved, to be resumed)."""
-        self._log_params()
-        self._client.set_terminated(self.run_id, status)
+        if status != "FAILED" and self._export and os.path.exists(self._export):
+            self.log_artifact(self._export, "export")
+        self._guard("the run's end", self._log_params)
+        self._guard("the run's end", lambda: self._client.set_terminated(self.run_id, status))
+
+    def _guard(self, what: str, call) -> None:
+        """Run an MLflow call; the first failure is said once and turns MLflow off for the rest of the run."""
+        if self._broken:
+            return
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the tracker is not worth the run: it goes on, its files have all
+            self._broken = True
+            self._say(
+                f"warning: MLflow at {self.uri} failed on {what} ({type(e).__name__}: {_first_line(e)}); the run goes "
+                "on without MLflow (metrics.jsonl, samples/ and the export are in the run directory)"
+            )
 
     def _log_params(self) -> None:
         """The config's leaves as parameters; a resumed run logs only those it did not have (MLflow's parameters
@@ -86,10 +129,24 @@ class MLflowRun:
         self._params_pending = None
 
 
+def absolute_uri(uri: str) -> str:
+    """`uri` as the launching process resolves it (--mlflow alone: its MLFLOW_TRACKING_URI or MLflow's default
+    store; a relative local store: from its working directory), for workers that run elsewhere (Ray)."""
+    if uri == DEFAULT_URI:
+        from mlflow import get_tracking_uri
+
+        uri = get_tracking_uri()
+    for scheme in ("sqlite:///", "file://"):
+        if uri.startswith(scheme) and not uri[len(scheme) :].startswith("/"):
+            return scheme + os.path.abspath(uri[len(scheme) :])
+    return uri if "://" in uri or uri.startswith("databricks") else os.path.abspath(uri)
+
+
 def _probe(uri: str) -> None:
     """An HTTP server that does not answer is said at once (MLflow's client would retry for minutes)."""
     if not uri.startswith(("http://", "https://")):
         return
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -98,6 +155,8 @@ def _probe(uri: str) -> None:
     except urllib.error.HTTPError:
         return  # it answers (a proxy or an auth layer may refuse /health): the run's requests will tell
     except OSError as e:
+        if isinstance(getattr(e, "reason", e), ssl.SSLError):
+            return  # it answers, over TLS that MLflow's client may trust (MLFLOW_TRACKING_SERVER_CERT_PATH, ...)
         raise ConnectionError(
             f"--mlflow {uri}: nothing answers there ({getattr(e, 'reason', e)}); start the tracking server "
             "(mlflow server --backend-store-uri sqlite:///mlflow.db --port 5000), fix the URI, or drop --mlflow"

@@ -58,7 +58,7 @@ class RunDir:
 
             # a resumed run, or an elastic run's new rank 0, goes on in the same MLflow run
             self._mlflow = MLflowRun(
-                self.path, self._mlflow_uri, self._mlflow_experiment, self._resumed or self._started
+                self.path, self._mlflow_uri, self._mlflow_experiment, self._resumed or self._started, self.print
             )
             if self.config:
                 self._mlflow.set_config(self.config)
@@ -155,8 +155,8 @@ class RunDir:
             self._mlflow.log_artifact(path, key)
 
     def log_artifact(self, path: str) -> None:
-        """The export, as a Weights & Biases model artifact named after the run and an MLflow artifact under
-        export/, when they are on."""
+        """The export, as a Weights & Biases model artifact named after the run, and for MLflow under export/ when
+        the run ends, when they are on."""
         if self._wandb is not None:
             import wandb
 
@@ -164,18 +164,22 @@ class RunDir:
             artifact.add_file(path)
             self._wandb.log_artifact(artifact)
         if self._mlflow is not None:
-            self._mlflow.log_artifact(path, "export")
+            self._mlflow.keep_export(path)
 
     def close(self, status: str = "FINISHED") -> None:
         """`status`: how the run ended, for MLflow: FINISHED, FAILED, or KILLED (stopped by SIGTERM, to resume)."""
-        if self._mlflow is not None:
-            self._mlflow.close(status)
-        if self._wandb is not None:
-            self._wandb.finish()
-        if self._tb is not None:
-            self._tb.close()
-        if self._log is not None:
-            self._log.close()
+        try:
+            if self._mlflow is not None:
+                self._mlflow.close(status)  # says its failures in train.log, before that closes
+        finally:
+            try:
+                if self._wandb is not None:
+                    self._wandb.finish()
+            finally:
+                if self._tb is not None:
+                    self._tb.close()
+                if self._log is not None:
+                    self._log.close()
 
 
 def flag_sections(configs: dict) -> dict:

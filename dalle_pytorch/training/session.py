@@ -80,9 +80,11 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         backend.barrier()
         status = "FINISHED"
     finally:
-        if run is not None:
-            run.close(status)
-        backend.teardown()
+        try:
+            if run is not None:
+                run.close(status)
+        finally:
+            backend.teardown()
 
 
 def add_up(backend, counts: list[int]) -> list[int]:

@@ -5,6 +5,7 @@ sample grids and the export as artifacts, and --resume auto going on in the same
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -18,9 +19,8 @@ from test_loop import FakeTask, config, fit
 import train_vae
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mlflow")
+def start_server(root):
+    """`mlflow server` on a free loopback port with a SQLite store under `root`: (its URI, its process)."""
     port = free_port()
     log = open(root / "server.log", "w")
     server = subprocess.Popen(
@@ -30,28 +30,41 @@ def mlflow_uri(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
         env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runners (7 processes)
     )  # fmt: skip
+    log.close()
     uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(uri + "/health", timeout=2).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        "mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:]
-                    ) from None
-                time.sleep(0.5)
-        yield uri
-    finally:  # the server and its workers: its own process group
-        os.killpg(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while True:
         try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+            urllib.request.urlopen(uri + "/health", timeout=2).close()
+            return uri, server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                stop_server(server)
+                raise AssertionError(
+                    "mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:]
+                ) from None
+            time.sleep(0.5)
+
+
+def stop_server(server) -> None:
+    """The server and its workers: its own process group, by its pid."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=20)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    uri, server = start_server(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield uri
+    finally:
+        stop_server(server)
 
 
 def _runs(uri, experiment):
@@ -112,3 +125,48 @@ def test_a_tracking_server_that_does_not_answer_is_one_line(tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing answers there" in err[0] and "drop --mlflow" in err[0], err
+
+
+STOP_SERVER_HOOK = """
+import os
+import signal
+
+from dalle_pytorch.training.hooks import Hooks
+
+
+class StopServer(Hooks):
+    def on_log(self, ctx, step, row):  # the tracking server goes away after the first log step
+        if step == 2:
+            os.killpg(int(os.environ["TEST_MLFLOW_SERVER_PID"]), signal.SIGKILL)
+"""
+
+
+@pytest.mark.e2e
+def test_a_server_lost_mid_run_costs_one_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    uri, server = start_server(tmp_path)
+    try:
+        (tmp_path / "stop.py").write_text(STOP_SERVER_HOOK)
+        monkeypatch.setenv("TEST_MLFLOW_SERVER_PID", str(server.pid))
+        export = train_vae.main(
+            [*TINY_VAE, "--batch_size", "8", "--steps", "6", "--log_every", "2", "--output_dir", str(tmp_path / "runs"),
+             "--mlflow", uri, "--hooks", f"{tmp_path / 'stop.py'}:StopServer"]
+        )  # fmt: skip
+    finally:
+        stop_server(server)
+    log = (tmp_path / "runs" / "vae" / "train.log").read_text()
+    warnings = [line for line in log.splitlines() if "MLflow" in line]
+    assert len(warnings) == 1 and re.search(r"MLflow at \S+ failed on (uploading|the metrics)", warnings[0]), warnings
+    assert "the run goes on without MLflow" in warnings[0] and "done at step 6" in log and os.path.exists(export)
+
+
+@pytest.mark.e2e
+def test_a_recorded_run_the_server_does_not_know_starts_a_new_one(mlflow_uri, tmp_path):
+    args = [*TINY_VAE, "--batch_size", "8", "--log_every", "2", "--output_dir", str(tmp_path), "--mlflow", mlflow_uri,
+            "--mlflow_experiment", "unknown-run"]  # fmt: skip
+    train_vae.main([*args, "--steps", "2"])
+    (tmp_path / "vae" / "mlflow_run_id").write_text("0" * 32)  # another store's, or a deleted run
+    train_vae.main([*args, "--steps", "4", "--resume", "auto"])
+    assert f"has no run {'0' * 32}" in (tmp_path / "vae" / "train.log").read_text()
+    _, runs = _runs(mlflow_uri, "unknown-run")
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    assert (tmp_path / "vae" / "mlflow_run_id").read_text() in {r.info.run_id for r in runs}
