@@ -16,10 +16,8 @@ import sys
 # (2 minutes each). Each environment keeps its own, where scripts/warm_ops.py builds it at install time.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
-import deepspeed
 import torch
 import torch.distributed.checkpoint as dcp
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .base import Backend, StepOptions, StepResult, Weights, Workload
@@ -30,14 +28,22 @@ from .deepspeed_config import (
     check_precision,
     choose_zero_stage,
     fixed_zero_stage,
+    hidden_module,
     json_zero_stage,
     offloads,
     read_user_config,
 )
-from .deepspeed_portable import checkpointable, group_names, has_state, local_weights, sharded_state_dict
-from .deepspeed_portable import load as load_portable
 from .topology import Topology
 from .torch_parts import ProcessGroup, destroy_process_group, export_launcher_env
+
+# `import deepspeed` imports its autotuner, which imports mlflow when it is installed (our --mlflow extra) only to
+# log autotuning experiments, which we never run: 1.3 s more at every rank's start. --mlflow imports it later.
+with hidden_module("mlflow"):
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    from .deepspeed_portable import checkpointable, group_names, has_state, local_weights, sharded_state_dict
+    from .deepspeed_portable import load as load_portable
 
 TAG = "deepspeed"  # the folder of DeepSpeed's own checkpoint inside ours
 

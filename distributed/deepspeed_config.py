@@ -11,9 +11,24 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dalle_pytorch.config import flag
+
+
+@contextmanager
+def hidden_module(name: str):
+    """`import name` fails inside (None in sys.modules), unless it was imported before; as it was after."""
+    hide = name not in sys.modules
+    if hide:
+        sys.modules[name] = None
+    try:
+        yield
+    finally:
+        if hide and name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
 
 
 def check_precision(precision: str, on_gpu: bool) -> None:

@@ -70,6 +70,7 @@ def test_sbatch_example_trains_on_two_hosts(cluster, vae_path, tmp_path, example
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow  # 68 s; make test keeps test_preemption's requeues (SIGTERM, the limit's USR1), same weights
 def test_requeued_job_resumes_from_its_checkpoint(cluster, vae_path, tmp_path):
     """`scontrol requeue` of a running job: SLURM stops it and starts it again, and the sbatch file's
     --resume auto continues from the last checkpoint instead of step 0."""
