@@ -21,12 +21,30 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# DeepSpeed variants whose path another variant of the same test covers in `make test` (ZeRO-1 shares ZeRO-2's
+# code; ZeRO-3 is the hardest case of recomputation, sharded writes and the EMA; the HTTP shards case of the
+# predecessor's DeepSpeed commands reads what the tar case does, and more): 15-24 s each on 2 cores, they run in
+# `make test-all` and keep `make test` under its 30 minutes.
+SLOW_VARIANTS = {
+    "tests/launchers/test_launchers.py::test_two_ranks_equal_one_process[no-accum-deepspeed-1]",
+    "tests/launchers/test_launchers.py::test_ema_on_two_ranks_equals_one_process[deepspeed-2]",
+    "tests/models/test_checkpointing.py::test_two_ranks_with_recomputation_equal_one_process_without[deepspeed-0]",
+    "tests/models/test_checkpointing.py::test_two_ranks_with_recomputation_equal_one_process_without"
+    "[deepspeed-2 --global_batch_size 16]",
+    "tests/distributed/test_deepspeed_sharded.py::test_every_rank_writes_its_share[2]",
+    "tests/compat/test_predecessor_commands.py::test_deepspeed_commands_train_without_fp16[tar]",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every test under tests/launchers/ starts a real launcher; elsewhere such tests say so themselves."""
+    """Every test under tests/launchers/ starts a real launcher; elsewhere such tests say so themselves. The
+    SLOW_VARIANTS are marked slow."""
     launchers = os.path.join(TESTS, "launchers") + os.sep
     for item in items:
         if str(item.path).startswith(launchers):
             item.add_marker(pytest.mark.launcher)
+        if item.nodeid in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
 
 
 class Handler(BaseHTTPRequestHandler):

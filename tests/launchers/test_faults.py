@@ -149,6 +149,7 @@ def test_torchrun_restarts_after_a_killed_rank(vae_path, tmp_path):
 
 
 @pytest.mark.launchers
+@pytest.mark.slow  # 80 s: make test-launchers and make test-all; make test keeps the torchrun and Ray elastic runs
 def test_horovod_elastic_loses_a_worker_then_takes_a_new_one(vae_path, tmp_path):
     """horovodrun --min-np 1 --max-np 2 on two "hosts" (localhost and 127.0.0.1, both this machine): rank 0
     is killed, the other worker rolls back to its last commit, becomes rank 0 (and the run's writer) and

@@ -223,6 +223,7 @@ def test_resume_across_backends_and_world_sizes(vae_path, tmp_path):
 
 
 @pytest.mark.launchers  # 30-65 s each: make test-launchers
+@pytest.mark.slow  # 40 s: DeepSpeed's own checkpoint resumed by make test's ZeRO-3 json-stage test; make test-all
 def test_deepspeed_resume_equals_uninterrupted(vae_path, tmp_path):
     args = ["--keep_n_checkpoints", "5", "--zero_stage", "2"]
     launch("deepspeed", "train_dalle.py", dalle_args(vae_path, str(tmp_path / "a"), 4, steps=4, extra=args))
