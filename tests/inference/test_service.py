@@ -8,17 +8,14 @@ import base64
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import ONE_THREAD, ROOT
+from helpers import ONE_THREAD, ROOT, ServerProcess
 from launch import dalle_args
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +37,7 @@ def exports(vae_path, tmp_path_factory):
     return dalle, clip
 
 
-class Server:
+class Server(ServerProcess):
     """python serve.py ARGS on a free loopback port, until stop()."""
 
     def __init__(self, *args, log):
@@ -49,17 +46,7 @@ class Server:
             self.port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
         self.log = log
-        argv = [sys.executable, SERVE, *args, "--port", str(self.port)]
-        self.proc = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=-2, start_new_session=True)
-        deadline = time.time() + 120
-        while True:
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            assert time.time() < deadline and self.proc.poll() is None, open(log).read()[-3000:]
-            time.sleep(0.3)
+        super().__init__([sys.executable, SERVE, *args, "--port", str(self.port)], log, self.url("/health"), env=env)
 
     def url(self, path):
         return f"http://127.0.0.1:{self.port}{path}"
@@ -82,15 +69,6 @@ class Server:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         raise AssertionError("no VmRSS")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

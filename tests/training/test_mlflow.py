@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import time
-import urllib.request
 
 import pytest
+from helpers import ServerProcess
 from launch import BIN, TINY_VAE
 from multirank import free_port, on_ranks
 from test_loop import FakeTask, config, fit
@@ -19,43 +16,14 @@ from test_loop import FakeTask, config, fit
 import train_vae
 
 
-def start_server(root):
+def start_server(root) -> tuple[str, ServerProcess]:
     """`mlflow server` on a free loopback port with a SQLite store under `root`: (its URI, its process)."""
-    port = free_port()
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [os.path.join(BIN, "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runners (7 processes)
-    )  # fmt: skip
-    log.close()
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(uri + "/health", timeout=2).close()
-            return uri, server
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                stop_server(server)
-                raise AssertionError(
-                    "mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:]
-                ) from None
-            time.sleep(0.5)
-
-
-def stop_server(server) -> None:
-    """The server and its workers: its own process group, by its pid."""
-    try:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=20)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-    server.wait()
+    uri = f"http://127.0.0.1:{free_port()}"
+    argv = [os.path.join(BIN, "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+            "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
+            "--workers", "1"]  # fmt: skip
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job runners (7 processes)
+    return uri, ServerProcess(argv, root / "server.log", uri + "/health", env=env, cwd=root)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +32,7 @@ def mlflow_uri(tmp_path_factory):
     try:
         yield uri
     finally:
-        stop_server(server)
+        server.stop()
 
 
 def _runs(uri, experiment):
@@ -146,13 +114,13 @@ def test_a_server_lost_mid_run_costs_one_warning_and_the_run_goes_on(tmp_path, m
     uri, server = start_server(tmp_path)
     try:
         (tmp_path / "stop.py").write_text(STOP_SERVER_HOOK)
-        monkeypatch.setenv("TEST_MLFLOW_SERVER_PID", str(server.pid))
+        monkeypatch.setenv("TEST_MLFLOW_SERVER_PID", str(server.proc.pid))
         export = train_vae.main(
             [*TINY_VAE, "--batch_size", "8", "--steps", "6", "--log_every", "2", "--output_dir", str(tmp_path / "runs"),
              "--mlflow", uri, "--hooks", f"{tmp_path / 'stop.py'}:StopServer"]
         )  # fmt: skip
     finally:
-        stop_server(server)
+        server.stop()
     log = (tmp_path / "runs" / "vae" / "train.log").read_text()
     warnings = [line for line in log.splitlines() if "MLflow" in line]
     assert len(warnings) == 1 and re.search(r"MLflow at \S+ failed on (uploading|the metrics)", warnings[0]), warnings
