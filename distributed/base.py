@@ -170,6 +170,13 @@ class Backend:
         """The user's module without wrappers."""
         return getattr(model, "module", model)
 
+    def forward_watch(self, model) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+        """Where a rank's own forward time is read (the loop's per-rank figures): the user's module inside any
+        wrapper, whose forward pre-hook runs after the wrapper's collective before it (DDP's buffer broadcast),
+        and the submodules whose forward pre-hooks gather parameters inside the forward (FSDP's blocks, ZeRO-3's
+        modules), whose time there is a wait for the other ranks. No gathering submodules by default."""
+        return self._unwrap(model), []
+
     @contextlib.contextmanager
     def full_params(self, model):
         """Collective context: the unwrapped module with every parameter whole (gathered where sharded),

@@ -230,6 +230,13 @@ class DeepSpeedBackend(Backend):
             )
         return answer[0]
 
+    def forward_watch(self, model):
+        module = self._unwrap(model)
+        if self._zero_stage != 3:
+            return module, []
+        # ZeRO-3 fetches each module's own parameters in its forward pre-hook (an all-gather: a wait for every rank)
+        return module, [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+
     @contextlib.contextmanager
     def full_params(self, model):
         module = self._unwrap(model)

@@ -62,6 +62,10 @@ class FSDPBackend(ProcessGroupBackend):
         model.set_requires_gradient_sync(sync)  # non-final micro-batches keep unreduced gradients
         return contextlib.nullcontext()
 
+    def forward_watch(self, model):
+        # each block's pre-forward hook all-gathers its parameters (waits for every rank)
+        return model, [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+
     @contextlib.contextmanager
     def full_params(self, model):
         # whole until the context ends, even across forwards (which reshard after themselves in training) and

@@ -117,53 +117,54 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         saved = save_checkpoint(backend, run.checkpoints, 0, vars(pos), cfg.keep_n_checkpoints, extra(parts))
         grace.saved(time.perf_counter() - t0)
         hooks.on_save(0, saved)
-    clock = window.clock  # this rank's own time (data, forward, hooks): where a straggler shows (rank_stats.py)
-    while pos.step < total:
-        with clock.own():
-            hooks.before_step(pos.step)
-        for micro in range(accum):
-            t0 = time.perf_counter()
-            raw = next(data)
-            clock.waited(time.perf_counter() - t0)
+    clock = window.clock  # this rank's own time (data, hooks, the forward's compute): where a straggler shows
+    with clock.watching(model, *backend.forward_watch(model)):  # (rank_stats.py), until these steps end
+        while pos.step < total:
             with clock.own():
-                batch = task.prepare_batch(raw, backend.device)
-            with backend.accumulate(model, sync=micro == accum - 1):
-                with backend.autocast(), clock.forward():
-                    loss, metrics = task.loss(model, batch, pos.step)
-                backend.backward(loss)
-            window.add(loss, metrics)
-        result = backend.step()
-        if parts.ema is not None:
-            parts.ema.update(pos.step)
-        pos.step += 1
-        if bar is not None:
-            bar.update(1)
-        with clock.own():
-            hooks.after_step(pos.step)
-        logging = pos.step % cfg.log_every == 0 or pos.step == total
-        if logging:
-            log_window(parts, window, grace, hooks, pos, result, bar)
-        if cfg.val_every and pos.step % cfg.val_every == 0 and getattr(task, "val_dataset", None) is not None:
-            results = validate(task, model, backend, cfg, pos.step)
-            run.log_metrics(pos.step, results)
-            run.print(f"step {pos.step} validation " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
-            hooks.on_evaluation(pos.step, results)
-        # SIGTERM (or a hook's request, made above on a log or evaluation) on any rank, agreed on by all
-        stopping = vote()
-        if stopping and not logging:
-            log_window(parts, window, grace, hooks, pos, result, bar)
-        if cfg.sample_every and pos.step % cfg.sample_every == 0:
-            write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
-        if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
-            t0 = time.perf_counter()
-            saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints, extra(parts))
-            grace.saved(time.perf_counter() - t0)
-            hooks.on_save(pos.step, saved)
-            export(task, model, backend, run, parts.ema)
-        if stopping:
-            run.print(f"{parts.stop.reason}: saved a checkpoint at step {pos.step}; resume with --resume auto")
-            break
-        parts.recovery.commit(pos)
+                hooks.before_step(pos.step)
+            for micro in range(accum):
+                t0 = time.perf_counter()
+                raw = next(data)
+                clock.waited(time.perf_counter() - t0)
+                with clock.own():
+                    batch = task.prepare_batch(raw, backend.device)
+                with backend.accumulate(model, sync=micro == accum - 1):
+                    with backend.autocast(), clock.forward():
+                        loss, metrics = task.loss(model, batch, pos.step)
+                    backend.backward(loss)
+                window.add(loss, metrics)
+            result = backend.step()
+            if parts.ema is not None:
+                parts.ema.update(pos.step)
+            pos.step += 1
+            if bar is not None:
+                bar.update(1)
+            with clock.own():
+                hooks.after_step(pos.step)
+            logging = pos.step % cfg.log_every == 0 or pos.step == total
+            if logging:
+                log_window(parts, window, grace, hooks, pos, result, bar)
+            if cfg.val_every and pos.step % cfg.val_every == 0 and getattr(task, "val_dataset", None) is not None:
+                results = validate(task, model, backend, cfg, pos.step)
+                run.log_metrics(pos.step, results)
+                run.print(f"step {pos.step} validation " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                hooks.on_evaluation(pos.step, results)
+            # SIGTERM (or a hook's request, made above on a log or evaluation) on any rank, agreed on by all
+            stopping = vote()
+            if stopping and not logging:
+                log_window(parts, window, grace, hooks, pos, result, bar)
+            if cfg.sample_every and pos.step % cfg.sample_every == 0:
+                write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
+            if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
+                t0 = time.perf_counter()
+                saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints, extra(parts))
+                grace.saved(time.perf_counter() - t0)
+                hooks.on_save(pos.step, saved)
+                export(task, model, backend, run, parts.ema)
+            if stopping:
+                run.print(f"{parts.stop.reason}: saved a checkpoint at step {pos.step}; resume with --resume auto")
+                break
+            parts.recovery.commit(pos)
     vote.close()
     for line in window.summary.lines():
         run.print(line)

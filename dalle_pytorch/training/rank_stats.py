@@ -3,12 +3,17 @@
 The figures ride in the one all-reduce the loop makes per log step (metrics.py): every rank writes its row into
 its own slot of a (world size x figures) tensor, the sum is everyone's rows. Nothing is synchronised per step.
 
-Why `own_ms`: in data-parallel training the ranks meet in every step's gradient reduction, so the wall time per
-step is the same on every rank (the fast ones wait there for the slowest). What differs is the time each rank
-spends on its own before they meet: waiting for its batch, the forward pass, the hooks. A rank whose own time
-stays above the others' is the straggler; its data wait says whether it waits on data or computes slowly.
-Under FSDP and ZeRO-3 the forward gathers parameters (the ranks meet there too), so a slow forward shows on
-every rank; a wait for data or a slow hook is still told apart.
+Why `own_ms`: in data-parallel training the ranks meet in every step's collectives, so the wall time per step is
+the same on every rank (the fast ones wait there for the slowest). What differs is the time each rank spends
+outside every collective: waiting for its batch, preparing it, its hooks, and the compute of its forward pass. A
+rank whose own time stays above the others' is the straggler; its data wait says whether it waits on data or
+computes slowly. The forward and loss are timed less their collectives: the span from the call of the backend's
+wrapper to the start of the user's module's forward (DDP broadcasts the module's buffers there at every forward; FSDP
+and ZeRO-3 gather the root's parameters), and the time in the gathering pre-hooks of FSDP's blocks and ZeRO-3's
+modules (`Backend.forward_watch`). Without that, a fast rank's forward holds its wait for the slow one, and both
+ranks show the same own time. What it cannot see: a rank slow only in its backward pass or optimizer step (the
+backward overlaps the gradient reduction on every backend, so its time holds the wait for the others), in a
+checkpoint write, or in validation and sampling (collective sections).
 """
 
 from __future__ import annotations
@@ -34,20 +39,22 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class RankClock:
-    """This rank's time between two log steps: its own work (data, forward, hooks) and the process's CPU.
-    On CUDA the forward is timed by events on the device's stream (read at the log step, which waits for the
-    device anyway), since the host only queues kernels; elsewhere by the host's clock."""
+    """This rank's time between two log steps: its own work (data, hooks, the forward and loss less the collectives
+    in them) and the process's CPU. On CUDA the forward is timed by events on the device's stream (read at the log
+    step, which waits for the device anyway), since the host only queues kernels; elsewhere by the host's clock."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self._timing = False  # inside the loop's forward()
+        self._entry = self._gather = None  # the model's call, a gathering hook: started at (host seconds or event)
         self.reset()
 
     def reset(self) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         self.wait = 0.0  # seconds in next(data)
-        self.host = 0.0  # seconds of other work on the host (hooks; the forward off CUDA)
-        self.events: list[tuple] = []  # CUDA: (start, end) of each forward
+        self.host = 0.0  # seconds of own work on the host (hooks, batches; the forward off CUDA)
+        self.spans: list[tuple] = []  # CUDA: (start, end, sign) events: + a forward, - a collective inside it
 
     def waited(self, seconds: float) -> None:
         self.wait += seconds
@@ -62,26 +69,85 @@ class RankClock:
             self.host += time.perf_counter() - t0
 
     @contextmanager
+    def watching(self, model: torch.nn.Module, module: torch.nn.Module, gathering: list[torch.nn.Module] = ()):
+        """Take the collectives out of the forward's time while the context lasts: `model` is what the loop calls
+        (a backend's wrapper), `module` the user's module inside it, and `gathering` the submodules whose forward
+        pre-hooks gather their parameters (Backend.forward_watch). From the call of `model` to the start of
+        `module`'s forward the wrapper may meet the other ranks (DDP's buffer broadcast, FSDP's and ZeRO-3's gather
+        of the root's parameters), and so may each gathering hook: those times are left out. Registered after the
+        backend wrapped the model, so our hooks run first on `model` and around the backend's on the others."""
+        handles = [
+            model.register_forward_pre_hook(self._call_starts, prepend=True),
+            module.register_forward_pre_hook(self._forward_starts),
+        ]
+        for m in gathering:
+            if m is not module:  # the root's gather is already before its forward starts
+                handles += [
+                    m.register_forward_pre_hook(self._gather_starts, prepend=True),
+                    m.register_forward_pre_hook(self._gather_ends),
+                ]
+        try:
+            yield
+        finally:  # an elastic recovery watches the model again, with a new clock
+            for h in handles:
+                h.remove()
+
+    @contextmanager
     def forward(self):
-        if not self.cuda:
-            with self.own():
-                yield
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        """The loop's forward and loss, less what the watched hooks find collective in it."""
+        start = self._now()
+        self._timing, self._entry = True, None
         try:
             yield
         finally:
-            end.record()
-            self.events.append((start, end))
+            self._timing = False
+            self._span(start, +1)
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _span(self, start, sign: int) -> None:
+        """`sign` x the time from `start` to now: + the forward, - a collective inside it."""
+        end = self._now()
+        if self.cuda:
+            self.spans.append((start, end, sign))
+        else:
+            self.host += sign * (end - start)
+
+    # the hooks read Python clocks: a compiled model (--compile) calls them outside its graph
+    @torch.compiler.disable
+    def _call_starts(self, module, args):
+        if self._timing and self._entry is None:
+            self._entry = self._now()
+
+    @torch.compiler.disable
+    def _forward_starts(self, module, args):
+        if self._timing and self._entry is not None:
+            self._span(self._entry, -1)
+            self._entry = None
+
+    @torch.compiler.disable
+    def _gather_starts(self, module, args):
+        if self._timing:
+            self._gather = self._now()
+
+    @torch.compiler.disable
+    def _gather_ends(self, module, args):
+        if self._timing and self._gather is not None:
+            self._span(self._gather, -1)
+            self._gather = None
 
     def figures(self, steps: int) -> tuple[float, dict[str, float]]:
         """(seconds since the last reset, this rank's figures per optimizer step over them)."""
         elapsed = time.perf_counter() - self.t0
         device_s = 0.0
-        if self.events:
-            self.events[-1][1].synchronize()  # the log step's all-reduce waits for the device anyway
-            device_s = sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        if self.spans:
+            self.spans[-1][1].synchronize()  # the log step's all-reduce waits for the device anyway
+            device_s = sum(sign * s.elapsed_time(e) for s, e, sign in self.spans) / 1000
         row = {
             "step_ms": 1000 * elapsed / steps,
             "own_ms": 1000 * (self.wait + self.host + device_s) / steps,

@@ -9,11 +9,12 @@ import re
 import socket
 import time
 
+import pytest
 import torch
 from multirank import on_ranks
 from test_loop import FakeTask, config, fit
 
-from dalle_pytorch.training.rank_stats import RankSummary, Stragglers
+from dalle_pytorch.training.rank_stats import RankClock, RankSummary, Stragglers
 
 
 def _rank(own_ms, step_ms=100.0, data_wait_share=0.0):
@@ -65,6 +66,37 @@ def test_the_summary_has_a_row_per_rank_with_its_means():
     assert lines[0] == "per-rank summary over 2 log steps (means):"
     assert lines[2].split() == ["0", "hosta", "100.0", "15.0", "20.0%"]
     assert lines[3].split() == ["1", "hostb", "100.0", "40.0", "0.0%"]
+
+
+class Broadcasting(torch.nn.Module):
+    """Stands for DDP: a wait for the other ranks (50 ms) at the start of every forward, then the user's module."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return self.module(x)
+
+
+def test_the_clock_leaves_the_wrappers_and_the_gathering_hooks_waits_out_of_the_forward():
+    block = torch.nn.Linear(4, 4)
+    block.register_forward_pre_hook(lambda m, args: time.sleep(0.05), prepend=True)  # as FSDP's gather: first
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), block)
+    inner.register_forward_pre_hook(lambda m, args: time.sleep(0.05))  # the root's gather, before its forward
+    model = Broadcasting(inner)
+    clock = RankClock(torch.device("cpu"))
+    with clock.watching(model, inner, [inner, block]):
+        with clock.forward():
+            model(torch.ones(2, 4))
+            time.sleep(0.02)  # the loss: the rank's own work
+        inner(torch.ones(2, 4))  # outside the loop's forward (sampling): not timed
+    elapsed, row = clock.figures(1)
+    assert elapsed > 0.2 and 20 <= row["own_ms"] < 45, row
+    with clock.forward():  # unwatched: the whole forward is the rank's
+        model(torch.ones(2, 4))
+    assert clock.figures(1)[1]["own_ms"] > 170
 
 
 class SlowData(torch.utils.data.Dataset):
@@ -132,6 +164,37 @@ def test_a_hook_that_keeps_rank_1_busy_names_it(tmp_path):
     named = re.findall(r"straggler at step (\d+): rank (\d) on \S+ .* it computes slowly", log)
     assert [rank for _, rank in named] == ["1"] and int(named[0][0]) <= 12, log
     assert rows[-1]["rank1/cpu_percent"] > 50  # a busy loop, not a sleep
+
+
+LATE_HOOK = """
+import time
+
+from dalle_pytorch.training.hooks import Hooks
+
+
+class LateRank1(Hooks):
+    def after_step(self, ctx, step):  # rank 1 sleeps 60 ms after each step: the others wait in the next forward
+        time.sleep(0.06 if ctx.rank == 1 else 0)
+"""
+
+
+def _fit_with_a_buffer(rank, out, backend, hooks):
+    task = FakeTask(os.path.join(out, "fake.pt"))
+    task.model.register_buffer("scale", torch.ones(1))  # DDP broadcasts buffers at the start of every forward
+    fit(config(out, distributed_backend=backend, steps=24, log_every=3, quiet=False, hooks=hooks), task)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_a_rank_late_after_its_step_is_named_though_the_forward_meets_the_others(backend, tmp_path):
+    """The fast rank waits for rank 1 at the start of its next forward (DDP's buffer broadcast, FSDP's gather of
+    the root's parameters): that wait must not count as its own time."""
+    (tmp_path / "late.py").write_text(LATE_HOOK)
+    on_ranks(2, _fit_with_a_buffer, str(tmp_path), backend, f"{tmp_path / 'late.py'}:LateRank1")
+    log = (tmp_path / "run" / "train.log").read_text()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    named = re.findall(r"straggler at step (\d+): rank (\d) on \S+ .* it computes slowly", log)
+    assert [rank for _, rank in named] == ["1"] and int(named[0][0]) <= 12, log
+    assert rows[-1]["rank1/own_ms"] > 55 > 20 > rows[-1]["rank0/own_ms"], rows[-1]
 
 
 def test_a_rank_that_waits_on_data_is_named_as_such(tmp_path):

@@ -1,0 +1,54 @@
+"""A slow rank named under the real launchers: train_dalle.py on 2 local ranks under torchrun (DDP, FSDP),
+deepspeed (ZeRO-2) and horovodrun, rank 1 slowed by 0.3 s per step in turn in its before_step hook, its after_step
+hook, its data and by a CPU hog beside it (straggler_hooks.py), with balanced steps between. Each slowing must name
+rank 1 with its host within --straggler_patience log steps, say whether it waits on data or computes slowly, and say
+when it keeps up again; a balanced step names no one. (The rule on made-up figures and forked ranks:
+tests/training/test_rank_stats.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+import pytest
+import straggler_hooks as plan
+from launch import dalle_args, launch
+
+PATIENCE = 3  # --straggler_patience's default
+WHY = {"before_step": "computes slowly", "after_step": "computes slowly", "data": "waits on data", "hog": "computes slowly"}
+
+CASES = [
+    ("torchrun", ["--distributed_backend", "ddp"]),
+    ("torchrun-fsdp", ["--distributed_backend", "fsdp"]),
+    ("deepspeed", ["--zero_stage", "2"]),
+    ("horovod", []),
+]
+
+
+@pytest.mark.parametrize("kind,extra", CASES, ids=["ddp", "fsdp", "deepspeed-2", "horovod"])
+def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the CPU hog needs rank 1 on a core of its own")
+    args = dalle_args(vae_path, str(tmp_path), batch=4, steps=plan.STEPS, extra=extra)
+    args += ["--sample_every", "0", "--save_every_n_steps", "0", "--hooks", f"{plan.__file__}:SlowRank1"]
+    launch(kind, "train_dalle.py", args)
+    log = open(os.path.join(tmp_path, "dalle", "train.log")).read()
+    named = [
+        (int(step), int(rank), host, why)
+        for step, rank, host, why in re.findall(
+            r"straggler at step (\d+): rank (\d) on (\S+) .*; it (waits on data|computes slowly)", log
+        )
+    ]
+    caught_up = [int(s) for s in re.findall(r"step (\d+): rank 1 \(\S+\) keeps up with the others again", log)]
+    table = "\n".join(line for line in log.splitlines() if "straggler" in line or "keeps up" in line or "rank" in line)
+    expected = []
+    for way, (first, last) in plan.PHASES.items():
+        at = [n for n in named if first <= n[0] <= last + 1]
+        assert len(at) == 1, f"{way} (steps {first}-{last}) named {at}:\n{table}"
+        step, rank, host, why = at[0]
+        # the third slowed log step in a row, or the fourth where the slowing starts inside a step's window
+        assert (rank, host, why) == (1, socket.gethostname(), WHY[way]) and step <= first + PATIENCE, table
+        assert [s for s in caught_up if last < s <= last + 3], f"{way}: rank 1 never keeps up again:\n{table}"
+        expected.append(at[0])
+    assert named == expected, f"a rank named outside the slowed steps:\n{table}"
