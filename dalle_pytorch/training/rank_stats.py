@@ -18,6 +18,7 @@ checkpoint write, or in validation and sampling (collective sections).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-HOST_FIGURES = ("step_ms", "own_ms", "data_wait_share", "cpu_percent", "rss_mb", "peak_memory_mb")
+HOST_FIGURES = ("step_ms", "own_ms", "data_wait_share", "cpu_percent", "cpu_wait_ms", "rss_mb", "peak_memory_mb")
 GPU_FIGURES = ("gpu_util_percent",)  # on CUDA: peak_memory_mb is then the device's peak allocation
 
 
@@ -51,7 +52,7 @@ class RankClock:
         self.reset()
 
     def reset(self) -> None:
-        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.t0, self.cpu0, self.queued0 = time.perf_counter(), time.process_time(), _run_queue_s()
         self.wait = 0.0  # seconds in next(data)
         self.host = 0.0  # seconds of own work on the host (hooks, batches; the forward off CUDA)
         self.spans: list[tuple] = []  # CUDA: (start, end, sign) events: + a forward, - a collective inside it
@@ -153,6 +154,7 @@ class RankClock:
             "own_ms": 1000 * (self.wait + self.host + device_s) / steps,
             "data_wait_share": self.wait / elapsed,
             "cpu_percent": 100 * (time.process_time() - self.cpu0) / elapsed,  # of one core, all threads
+            "cpu_wait_ms": 1000 * (_run_queue_s() - self.queued0) / steps,  # the loop's thread, ready but not run
             "rss_mb": _rss_mb(),
             "peak_memory_mb": peak_memory_mb(self.device),
         }
@@ -167,6 +169,16 @@ def _rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
+        return float("nan")
+
+
+def _run_queue_s() -> float:
+    """Seconds the calling thread has waited, ready to run, for a CPU that other threads held (Linux's schedstat:
+    on-CPU ns, run-queue ns, timeslices); NaN elsewhere. The loop's thread: under Ray the loop is not the main one."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
         return float("nan")
 
 
@@ -225,10 +237,19 @@ class Stragglers:
 
     def _line(self, step: int, r: int, per_rank: list[dict], typical: float) -> str:
         mine = per_rank[r]
-        data_ms = mine["data_wait_share"] * mine["step_ms"]
-        typical_data = OthersMedian([p["data_wait_share"] * p["step_ms"] for p in per_rank]).without(r)
         excess = mine["own_ms"] - typical
-        if data_ms - typical_data >= excess / 2:
+        data_ms = mine["data_wait_share"] * mine["step_ms"]
+        more_data = data_ms - OthersMedian([p["data_wait_share"] * p["step_ms"] for p in per_rank]).without(r)
+        # a rank starved of CPU by another process waits on the run queue; one that waits on I/O does not
+        more_queued = mine.get("cpu_wait_ms", math.nan) - OthersMedian(
+            [p.get("cpu_wait_ms", math.nan) for p in per_rank]
+        ).without(r)
+        if more_queued >= excess / 2 and not more_data > more_queued:
+            why = (
+                f"it computes slowly: its thread waited {mine['cpu_wait_ms']:.0f} ms per step for a CPU that other "
+                "processes held: look for another job on its host"
+            )
+        elif more_data >= excess / 2:
             why = (
                 f"it waits on data ({100 * mine['data_wait_share']:.0f}% of its time): raise --num_workers, "
                 "pre-encode the images, or look at its host's disk and network"

@@ -1,8 +1,10 @@
 """`--hooks` for tests/launchers/test_stragglers.py: rank 1 slowed by 0.3 s per step in turn in its before_step, its
 after_step, its data (one slow sample per step) and by a CPU hog beside it, with balanced steps between.
 
-The ranks are pinned to a core each (rank r to core r) so that the hog, pinned to rank 1's core, slows rank 1 alone,
-as another job on its host would; unpinned, the kernel would spread the hog over both ranks of this machine."""
+Each rank's main thread is pinned to a core of its own (rank r to core r) so that the hog, pinned to rank 1's core,
+slows rank 1 alone, as another job on its host would; unpinned, the kernel would spread the hog over both ranks of
+this machine. The threads the ranks started before (TensorBoard's writer, the backends' communication threads)
+are left free, as they would be on a host with a core for each."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ from dalle_pytorch.data import shapes
 from dalle_pytorch.training.hooks import Hooks
 
 SLOW_S = 0.3
-# the logged steps (1-based) each way of slowing rank 1 covers, first and last; every other step is balanced
-PHASES = {"before_step": (7, 10), "after_step": (14, 17), "data": (21, 24), "hog": (28, 32)}
-STEPS = 36
+LOG_EVERY = 2  # each log step averages 2 steps: the rule sees a 2-rank balanced run's noise halved
+# the steps (1-based) each way of slowing rank 1 covers, first and last: 4 log steps each, 3 balanced between
+PHASES = {"before_step": (11, 18), "after_step": (25, 32), "data": (39, 46), "hog": (53, 60)}
+STEPS = 66
 
 
 def slowed(way: str, step: int) -> bool:
@@ -25,6 +28,8 @@ def slowed(way: str, step: int) -> bool:
     return first <= step <= last
 
 
+# another job on rank 1's host: 3 busy processes on its core leave it a quarter of the core (about 4x its own time)
+HOGS = 3
 # a busy loop that ends when its parent does (a test that fails midway leaves no hog behind)
 HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(100000))"
 
@@ -34,23 +39,14 @@ def core_of(rank: int) -> int:
     return cores[rank % len(cores)]
 
 
-def pin(core: int) -> None:
-    """Every thread of this process on one core (threads started later inherit it)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
 class SlowRank1(Hooks):
     def __init__(self):
         self.step = 0  # the step being made (1-based), for the data
-        self.hog = None
+        self.hogs = []
         self.slept_in = -1  # the step whose slow sample was read
 
     def on_start(self, ctx, step):
-        pin(core_of(ctx.rank))
+        os.sched_setaffinity(0, {core_of(ctx.rank)})  # this thread, and the threads it starts from now on
         if ctx.rank != 1:
             return
         read = shapes.ShapesDataset.__getitem__
@@ -69,9 +65,12 @@ class SlowRank1(Hooks):
             return
         if slowed("before_step", step + 1):
             time.sleep(SLOW_S)
-        if slowed("hog", step + 1) and self.hog is None:
-            core = core_of(1)  # pinned before on_start: rank 1's core
-            self.hog = subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+        if slowed("hog", step + 1) and not self.hogs:
+            core = core_of(1)  # rank 1's, as pinned in on_start
+            self.hogs = [
+                subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+                for _ in range(HOGS)
+            ]
         elif not slowed("hog", step + 1):
             self._stop_hog()
 
@@ -83,7 +82,7 @@ class SlowRank1(Hooks):
         self._stop_hog()
 
     def _stop_hog(self):
-        if self.hog is not None:
-            self.hog.kill()
-            self.hog.wait()
-            self.hog = None
+        for hog in self.hogs:
+            hog.kill()
+            hog.wait()
+        self.hogs = []

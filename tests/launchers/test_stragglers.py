@@ -16,6 +16,13 @@ import straggler_hooks as plan
 from launch import dalle_args, launch
 
 PATIENCE = 3  # --straggler_patience's default
+# The rule's default margin is 25%: on this 2-vCPU virtual machine the two ranks' own times differ by up to 53% in
+# steps where nothing is slowed (measured: a vCPU slower for a whole run, the helper threads of both ranks landing on
+# one core), which is real but not what these cases test. Each slowing here is 4x or more, so a margin of 100%
+# keeps the machine's spread out of the check without hiding any of them.
+MARGIN = 1.0
+BATCH = 64  # steps long enough (about 20 ms of own work) that a CPU hog on its core slows them, and that a few ms of
+# scheduling noise from the launcher and pytest on a 2-core machine stays well under the rule's tenth of a step
 WHY = {"before_step": "computes slowly", "after_step": "computes slowly", "data": "waits on data", "hog": "computes slowly"}
 
 CASES = [
@@ -30,8 +37,10 @@ CASES = [
 def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the CPU hog needs rank 1 on a core of its own")
-    args = dalle_args(vae_path, str(tmp_path), batch=4, steps=plan.STEPS, extra=extra)
-    args += ["--sample_every", "0", "--save_every_n_steps", "0", "--hooks", f"{plan.__file__}:SlowRank1"]
+    args = dalle_args(vae_path, str(tmp_path), batch=BATCH, steps=plan.STEPS, extra=extra)
+    args += ["--log_every", str(plan.LOG_EVERY), "--sample_every", "0", "--save_every_n_steps", "0"]
+    args += ["--straggler_margin", str(MARGIN)]
+    args += ["--hooks", f"{plan.__file__}:SlowRank1"]
     launch(kind, "train_dalle.py", args)
     log = open(os.path.join(tmp_path, "dalle", "train.log")).read()
     named = [
@@ -44,11 +53,11 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
     table = "\n".join(line for line in log.splitlines() if "straggler" in line or "keeps up" in line or "rank" in line)
     expected = []
     for way, (first, last) in plan.PHASES.items():
-        at = [n for n in named if first <= n[0] <= last + 1]
+        at = [n for n in named if first <= n[0] <= last]
         assert len(at) == 1, f"{way} (steps {first}-{last}) named {at}:\n{table}"
         step, rank, host, why = at[0]
-        # the third slowed log step in a row, or the fourth where the slowing starts inside a step's window
-        assert (rank, host, why) == (1, socket.gethostname(), WHY[way]) and step <= first + PATIENCE, table
-        assert [s for s in caught_up if last < s <= last + 3], f"{way}: rank 1 never keeps up again:\n{table}"
+        within = first - 1 + PATIENCE * plan.LOG_EVERY  # the end of the third slowed log step
+        assert (rank, host, why) == (1, socket.gethostname(), WHY[way]) and step <= within, f"{way}:\n{table}"
+        assert last < min(s for s in caught_up if s > step) <= last + plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
         expected.append(at[0])
     assert named == expected, f"a rank named outside the slowed steps:\n{table}"
