@@ -154,10 +154,14 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             if stopping and not logging:
                 log_window(parts, window, grace, hooks, pos, result, bar)
             if cfg.sample_every and pos.step % cfg.sample_every == 0:
-                write_samples(task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run)
+                write_samples(
+                    task, model, backend, os.path.join(run.samples, f"step-{pos.step:08d}.png"), pos.step, run
+                )
             if (cfg.save_every_n_steps and pos.step % cfg.save_every_n_steps == 0) or stopping or pos.step == total:
                 t0 = time.perf_counter()
-                saved = save_checkpoint(backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints, extra(parts))
+                saved = save_checkpoint(
+                    backend, run.checkpoints, pos.step, vars(pos), cfg.keep_n_checkpoints, extra(parts)
+                )
                 grace.saved(time.perf_counter() - t0)
                 hooks.on_save(pos.step, saved)
                 export(task, model, backend, run, parts.ema)

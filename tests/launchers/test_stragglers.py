@@ -23,7 +23,12 @@ PATIENCE = 3  # --straggler_patience's default
 MARGIN = 1.0
 BATCH = 64  # steps long enough (about 20 ms of own work) that a CPU hog on its core slows them, and that a few ms of
 # scheduling noise from the launcher and pytest on a 2-core machine stays well under the rule's tenth of a step
-WHY = {"before_step": "computes slowly", "after_step": "computes slowly", "data": "waits on data", "hog": "computes slowly"}
+WHY = {
+    "before_step": "computes slowly",
+    "after_step": "computes slowly",
+    "data": "waits on data",
+    "hog": "computes slowly",
+}
 
 CASES = [
     ("torchrun", ["--distributed_backend", "ddp"]),
