@@ -222,6 +222,7 @@ def test_the_backend_interface_is_narrow():
         "explain",  # which ranks stopped answering, when a collective timed out
         *("save_checkpoint", "load_checkpoint", "full_state_dict", "full_params"),  # state, sharded or whole
         *("weights", "load_extra"),  # the weights as this rank holds them, and what is kept in their layout (EMA)
+        "forward_watch",  # where the collectives inside a forward are, for each rank's own time (rank_stats.py)
         *("is_main", "rank", "world_size", "topo", "device", "name"),  # where this process stands
     }
     backend = make_backend("single", Topology("none"), StepOptions())
