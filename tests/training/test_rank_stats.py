@@ -58,6 +58,21 @@ def test_a_rank_that_waits_on_data_is_told_from_one_that_computes_slowly():
     assert "waits on data (55% of its time): raise --num_workers" in said[0]
 
 
+def test_a_rank_starved_of_cpu_is_told_from_one_that_waits_on_data_or_computes_slowly():
+    """The run-queue wait (cpu_wait_ms) names another job on the host; a slow disk (data wait) does not queue."""
+    said = []
+    s = Stragglers(["a", "b"], margin=0.25, patience=1, say=said.append)
+    starved = {**_rank(60, data_wait_share=0.15), "cpu_wait_ms": 80.0}  # its data slowed too, less than its queue
+    s.see(1, [{**_rank(20, data_wait_share=0.05), "cpu_wait_ms": 1.0}, starved])
+    assert "it computes slowly: its thread waited 80 ms per step for a CPU that other processes held" in said[0]
+    s = Stragglers(["a", "b"], margin=0.25, patience=1, say=said.append)
+    s.see(1, [{**_rank(20), "cpu_wait_ms": 1.0}, {**_rank(70, data_wait_share=0.55), "cpu_wait_ms": 1.5}])
+    assert "waits on data" in said[1]
+    s = Stragglers(["a", "b"], margin=0.25, patience=1, say=said.append)
+    s.see(1, [{**_rank(20), "cpu_wait_ms": float("nan")}, {**_rank(70), "cpu_wait_ms": float("nan")}])  # no /proc
+    assert "computes slowly (data wait 0% of its time)" in said[2]
+
+
 def test_the_summary_has_a_row_per_rank_with_its_means():
     summary = RankSummary(["hosta", "hostb"])
     summary.add([_rank(10, data_wait_share=0.1), _rank(30)])
