@@ -21,13 +21,13 @@ PATIENCE = 3  # --straggler_patience's default
 # one core), which is real but not what these cases test. Each slowing here is 4x or more, so a margin of 100%
 # keeps the machine's spread out of the check without hiding any of them.
 MARGIN = 1.0
-BATCH = 64  # steps long enough (about 20 ms of own work) that a CPU hog on its core slows them, and that a few ms of
-# scheduling noise from the launcher and pytest on a 2-core machine stays well under the rule's tenth of a step
+BATCH = 64  # steps long enough (about 20 ms of own work) that busy processes on its core slow a rank's work rather
+# than only delay its start (Linux lets a thread that woke from a wait run a few ms first)
 WHY = {
-    "before_step": "computes slowly",
-    "after_step": "computes slowly",
+    "before_step": "computes slowly (data wait",
+    "after_step": "computes slowly (data wait",
     "data": "waits on data",
-    "hog": "computes slowly",
+    "hog": "computes slowly: its thread waited",  # ... ms per step for a CPU that other processes held
 }
 
 CASES = [
@@ -51,7 +51,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
     named = [
         (int(step), int(rank), host, why)
         for step, rank, host, why in re.findall(
-            r"straggler at step (\d+): rank (\d) on (\S+) .*; it (waits on data|computes slowly)", log
+            r"straggler at step (\d+): rank (\d) on (\S+) .* every rank waits for it; it (.*)", log
         )
     ]
     caught_up = [int(s) for s in re.findall(r"step (\d+): rank 1 \(\S+\) keeps up with the others again", log)]
@@ -62,7 +62,9 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
         assert len(at) == 1, f"{way} (steps {first}-{last}) named {at}:\n{table}"
         step, rank, host, why = at[0]
         within = first - 1 + PATIENCE * plan.LOG_EVERY  # the end of the third slowed log step
-        assert (rank, host, why) == (1, socket.gethostname(), WHY[way]) and step <= within, f"{way}:\n{table}"
-        assert last < min(s for s in caught_up if s > step) <= last + plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
+        assert (rank, host) == (1, socket.gethostname()) and why.startswith(WHY[way]), f"{way}:\n{table}"
+        assert step <= within, f"{way}: named after step {within}:\n{table}"
+        again = next((s for s in caught_up if s > step), None)
+        assert again and last < again <= last + plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
         expected.append(at[0])
     assert named == expected, f"a rank named outside the slowed steps:\n{table}"
