@@ -1,7 +1,13 @@
-"""Honest image-quality numbers on the built-in dataset, read back from pixels by `parse.py`.
+"""Image quality, on your data (on_data.py) or on the built-in dataset, read back from pixels by `parse.py`.
 
-    python -m dalle_pytorch.eval --vae_path vae.pt [--dalle_path dalle.pt [--clip_path clip.pt]] [--out DIR]
+    python -m dalle_pytorch.eval --dalle_path RUN/dalle.safetensors --image_text_folder VAL [--wds jpg,txt]
+        --num_images N [--clip_path clip.safetensors] --out DIR
+    python -m dalle_pytorch.eval --vae_path vae.safetensors --image_text_folder VAL --num_images N --out DIR
+    python -m dalle_pytorch.eval --vae_path vae.safetensors [--dalle_path dalle.safetensors [--clip_path clip...]]
 
+On your data: FID, KID, Inception Score, precision/recall (torch-fidelity) and the CLIP score of a DALLE's images
+for VAL's captions; a tokenizer's rFID, PSNR, SSIM and codebook usage on VAL's images.
+On the built-in dataset:
 VAE: PSNR and the parser's accuracy on reconstructions (the ceiling for any generator), codebook usage.
 DALLE: bits per image token on validation data, and the fraction of generated images whose parsed objects
 match the caption, fully and per attribute, on seen captions and on held-out colour-shape combinations,
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 
 from ..config import FileParser, add_flags, flag, take
 from ..inference.pipeline import RerankConfig, SamplingConfig
+from .fidelity import FidelityConfig
 from .summary import table
 
 
@@ -27,9 +34,15 @@ class EvalConfig:
     """What to evaluate and where the results go."""
 
     vae_path: str = flag("", "VAE export (default: the one recorded in --dalle_path)")
+    image_text_folder: str = flag(
+        "",
+        "validation data: a folder of images with captions beside them, or with --wds the shard URLs; "
+        "default: the built-in dataset",
+    )
+    wds: str = flag("", "the WebDataset keys of image and caption in --image_text_folder's shards, e.g. jpg,txt")
     dalle_path: str = flag("", "DALLE export to evaluate by generation")
-    num_images: int = flag(200, "captions per split (seen, held-out)")
-    candidates: int = flag(16, "with --clip_path: samples per caption")
+    num_images: int = flag(200, "captions per split (seen, held-out); on your data: validation pairs scored")
+    candidates: int = flag(16, "with --clip_path: samples per caption (on your data: CLIP keeps the best)")
     out: str = flag("eval", "folder for results.json, results.txt and the grids")
     seed: int = flag(0, "random seed of the sampling")
 
@@ -39,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, EvalConfig, "evaluation")
     add_flags(p, SamplingConfig, "sampling")
     add_flags(p, RerankConfig, "reranking with CLIP")
+    add_flags(p, FidelityConfig, "FID and friends (on your data)")
     p.set_defaults(keep=1)  # the reranked rates are over the best sample per caption
     return p
 
@@ -49,24 +63,34 @@ def main(argv=None):
     p = build_parser()
     ns = p.parse_args(argv)
     with user_errors(False):
-        return evaluate(take(ns, EvalConfig), take(ns, SamplingConfig), take(ns, RerankConfig), p.error)
+        configs = take(ns, EvalConfig), take(ns, SamplingConfig), take(ns, RerankConfig), take(ns, FidelityConfig)
+        return evaluate(*configs)
 
 
-def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, error) -> dict:
+def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, fidelity: FidelityConfig) -> dict:
     from ..inference.load import load_vae
     from .dalle_eval import evaluate_dalle
+    from .on_data import evaluate_dalle_on_data, evaluate_vae_on_data
     from .vae_eval import evaluate_vae
 
+    if not (cfg.vae_path or cfg.dalle_path):
+        raise ValueError("give --vae_path and/or --dalle_path")
+    if cfg.wds and not cfg.image_text_folder:
+        raise ValueError(f"--wds {cfg.wds} reads shards: give their URLs in --image_text_folder")
     os.makedirs(cfg.out, exist_ok=True)
     results = {}
-    if cfg.vae_path:
-        results["vae"] = evaluate_vae(load_vae(cfg.vae_path)[0])
-    if cfg.dalle_path:
-        results["dalle"] = evaluate_dalle(
-            cfg.dalle_path, cfg.num_images, cfg.out, sampling, rerank, cfg.candidates, cfg.seed
-        )
-    if not results:
-        error("give --vae_path and/or --dalle_path")
+    if cfg.image_text_folder:  # your data
+        if cfg.dalle_path:
+            results["dalle"] = evaluate_dalle_on_data(cfg, sampling, rerank, fidelity)
+        else:
+            results["vae"] = evaluate_vae_on_data(cfg, fidelity)
+    else:  # the built-in dataset, read back by the parser
+        if cfg.vae_path:
+            results["vae"] = evaluate_vae(load_vae(cfg.vae_path)[0])
+        if cfg.dalle_path:
+            results["dalle"] = evaluate_dalle(
+                cfg.dalle_path, cfg.num_images, cfg.out, sampling, rerank, cfg.candidates, cfg.seed
+            )
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     text = table(results)

@@ -29,7 +29,9 @@ def summarize(scores: list[dict]) -> dict:
 
 
 def table(results: dict) -> str:
-    """A short human-readable table of `results` from evaluate_vae / evaluate_dalle."""
+    """A short human-readable table of `results` from evaluate_vae / evaluate_dalle, or on your data."""
+    if "fid" in results.get("dalle", {}) or "rfid" in results.get("vae", {}):
+        return data_table(results)
     lines = []
     if "vae" in results:
         v = results["vae"]
@@ -56,3 +58,33 @@ def table(results: dict) -> str:
             )
             lines.append(f"{split:16} {s['n']:>5} {cells}")
     return "\n".join(lines)
+
+
+def data_table(results: dict) -> str:
+    """The figures on your data (on_data.py), one row per set of images scored."""
+
+    def row(name: str, r: dict) -> str:
+        cells = [f"{k} {_figure(r, k)}" for k in FIGURES if k in r]
+        return f"{name:<34} " + " | ".join(cells)
+
+    lines = []
+    if "dalle" in results:
+        d = results["dalle"]
+        lines.append(row(f"DALLE, {d['num_images']} captions", d))
+        if "reranked" in d:
+            lines.append(row(f"  best of {d['reranked']['candidates']} by CLIP", d["reranked"]))
+    if "vae" in results:
+        v = results["vae"]
+        lines.append(row(f"tokenizer, {v['num_images']} images", v))
+    return "\n".join(lines)
+
+
+# the figures in the order a reader looks for them; a std beside its mean
+FIGURES = ("fid", "rfid", "kid", "rkid", "inception_score", "precision", "recall", "clip_score", "psnr", "ssim",
+           "codebook_usage", "codebook_perplexity")  # fmt: skip
+
+
+def _figure(r: dict, k: str) -> str:
+    std = r.get(f"{k}_std")
+    value = f"{r[k]:.4g}" + (f" ± {std:.2g}" if std is not None else "")
+    return value + (" dB" if k == "psnr" else "")

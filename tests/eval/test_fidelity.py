@@ -1,0 +1,188 @@
+"""Image quality on your data (`python -m dalle_pytorch.eval --image_text_folder VAL`): FID, KID, IS, precision/recall
+equal torch-fidelity's own command on the folders the evaluation wrote, with the same weights files. No weights can
+be downloaded here, so the files are torch-fidelity's Inception v3 and torchvision's VGG-16 architectures holding
+fixed random values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from helpers import ONE_THREAD
+from launch import dalle_args
+from torchvision.utils import save_image
+
+from dalle_pytorch.data.shapes import ShapesDataset
+from dalle_pytorch.eval import evaluate
+from dalle_pytorch.eval.fidelity import FidelityConfig, fidelity_metrics
+
+pytestmark = pytest.mark.e2e
+N = 12  # images scored: the Inception Score's 10 splits need 10
+
+
+@pytest.fixture(scope="module")
+def inception(tmp_path_factory):
+    """torch-fidelity's Inception v3 with fixed random values: He-initialised convolutions, so that features keep
+    their scale through its 94 layers (the module's own init would shrink them towards zero)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    torch.manual_seed(0)
+    with mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict"), mock.patch("torch.load", return_value={}):
+        net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path="-")
+    for m in net.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    path = tmp_path_factory.mktemp("inception") / "inception-random.pth"
+    torch.save(net.state_dict(), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def vgg16(tmp_path_factory):
+    """torchvision's VGG-16 (precision/recall's features) with fixed random values, stored in float16 (276 MB;
+    load_state_dict casts them back)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    net = torchvision.models.vgg16()
+    path = tmp_path_factory.mktemp("vgg16") / "vgg16-random.pth"
+    torch.save({k: v.half() for k, v in net.state_dict().items()}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def weights(inception, vgg16):
+    return ["--inception_weights", inception, "--vgg16_weights", vgg16]
+
+
+@pytest.fixture(scope="module")
+def val(tmp_path_factory):
+    """A caption folder as users have them: 24 images (64 x 64, resized to the model's 16 on reading) with a .txt
+    caption beside each."""
+    root = tmp_path_factory.mktemp("val")
+    data = ShapesDataset(24, 64, seed=7, split="train")
+    for i in range(24):
+        image, caption = data[i]
+        save_image(image, root / f"{i:03d}.png")
+        (root / f"{i:03d}.txt").write_text(caption)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def exports(vae_path, tmp_path_factory):
+    """A tiny trained DALLE and a CLIP that reranks for it."""
+    import train_clip
+    import train_dalle
+
+    out = str(tmp_path_factory.mktemp("exports"))
+    dalle = train_dalle.main(dalle_args(vae_path, out, 8, steps=4))
+    tiny = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
+    clip_args = ["--dalle_path", dalle, *tiny, *ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64"]
+    clip = train_clip.main([*clip_args, "--steps", "2", "--batch_size", "8", "--output_dir", out])
+    return dalle, clip
+
+
+def library_command(generated: str, reference: str, inception: str, vgg16: str) -> dict:
+    """torch-fidelity's own command line on the two folders: IS, FID, KID (its default: Inception), then
+    precision/recall (its default: VGG-16), each with its weights file."""
+    command = [os.path.join(os.path.dirname(sys.executable), "fidelity"), "--input1", generated, "--input2", reference]
+    command += ["--cpu", "--json", "--no-cache", "--samples-find-ext", "png", "--kid-subset-size", str(N)]
+    figures = {}
+    for metrics, weights in ((["--isc", "--fid", "--kid"], inception), (["--prc"], vgg16)):
+        run = [*command, *metrics, "--feature-extractor-weights-path", weights]
+        figures.update(json.loads(subprocess.run(run, capture_output=True, text=True, timeout=600, check=True).stdout))
+    return figures
+
+
+def assert_library_figures(ours: dict, theirs: dict) -> None:
+    names = {
+        "fid": "frechet_inception_distance",
+        "kid": "kernel_inception_distance_mean",
+        "inception_score": "inception_score_mean",
+        "precision": "precision",
+        "recall": "recall",
+    }
+    for name, key in names.items():
+        assert abs(ours[name] - theirs[key]) <= 1e-4 * max(1.0, abs(theirs[key])), (name, ours[name], theirs[key])
+
+
+def test_a_dalle_on_your_data_scores_as_torch_fidelitys_command(exports, val, inception, vgg16, weights, tmp_path):
+    dalle, clip = exports
+    out = tmp_path / "eval"
+    results = evaluate.main(
+        ["--dalle_path", dalle, "--image_text_folder", val, "--num_images", str(N), *weights]
+        + ["--clip_path", clip, "--candidates", "2", "--out", str(out)]
+    )["dalle"]
+    for folder in ("reference", "generated", "generated_reranked"):
+        assert sorted(os.listdir(out / folder)) == [f"{i:06d}.png" for i in range(N)]
+    assert not [p for p in os.listdir(out) if p.startswith(".partial")]
+    assert json.loads((out / "results.json").read_text())["dalle"] == results
+    assert results["num_images"] == N and "torch-fidelity" in results["fidelity"]["library"]
+    assert_library_figures(results, library_command(str(out / "generated"), str(out / "reference"), inception, vgg16))
+    assert results["reranked"]["candidates"] == 2 and results["reranked"]["fid"] > 0  # the same path
+    assert 0 <= results["clip_score"] <= 100 and results["reranked"]["clip_score"] >= results["clip_score"] - 1e-6
+    assert "fid" in (out / "results.txt").read_text() and (out / "grid.png").exists()
+
+
+def test_the_figures_behave_on_known_sets(val, inception, vgg16, tmp_path):
+    """A set against itself: FID 0. Two halves of one set: far below either half against noise."""
+    halves = [tmp_path / "a", tmp_path / "b", tmp_path / "noise"]
+    for folder in halves:
+        folder.mkdir()
+    images = sorted(p for p in os.listdir(val) if p.endswith(".png"))
+    for i, name in enumerate(images):
+        os.symlink(os.path.join(val, name), halves[i % 2] / name)
+    g = torch.Generator().manual_seed(0)
+    for i in range(N):
+        save_image(torch.rand(3, 64, 64, generator=g), halves[2] / f"{i:03d}.png")
+    cfg = FidelityConfig(inception_weights=inception, vgg16_weights=vgg16)
+    itself = fidelity_metrics(str(halves[0]), str(halves[0]), cfg)
+    assert abs(itself["fid"]) < 1e-3 and itself["precision"] == itself["recall"] == 1.0
+    halves_fid = fidelity_metrics(str(halves[0]), str(halves[1]), cfg, precision_recall=False)["fid"]
+    noise_fid = fidelity_metrics(str(halves[0]), str(halves[2]), cfg, precision_recall=False)["fid"]
+    assert halves_fid < noise_fid / 3, (halves_fid, noise_fid)
+
+
+def test_a_tokenizer_alone_reports_rfid_psnr_ssim_and_codebook_use(vae_path, val, inception, vgg16, weights, tmp_path):
+    out = tmp_path / "eval"
+    argv = ["--vae_path", vae_path, "--image_text_folder", val, "--num_images", str(N), "--out", str(out)]
+    v = evaluate.main([*argv, *weights])["vae"]
+    assert sorted(os.listdir(out / "reconstructed")) == [f"{i:06d}.png" for i in range(N)]
+    assert v["rfid"] > 0 and 0 < v["ssim"] <= 1 and v["psnr"] > 5 and 0 < v["codebook_usage"] <= 1
+    assert "inception_score" not in v
+    theirs = library_command(str(out / "reconstructed"), str(out / "reference"), inception, vgg16)
+    assert abs(v["rfid"] - theirs["frechet_inception_distance"]) <= 1e-4 * theirs["frechet_inception_distance"]
+    assert abs(v["precision"] - theirs["precision"]) <= 1e-4
+
+
+def test_bad_input_is_one_line_and_nothing_is_written_half(vae_path, val, inception, weights, tmp_path, capsys):
+    def fails(*extra: str) -> str:
+        argv = ["--vae_path", vae_path, "--image_text_folder", val, "--out", str(tmp_path / "eval"), *extra]
+        with pytest.raises(SystemExit):
+            evaluate.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no images under" in fails("--image_text_folder", str(empty), *weights)
+    assert "24 readable pairs, fewer than --num_images 30" in fails("--num_images", "30", *weights)
+    assert "--num_images must be at least 10" in fails("--num_images", "5", *weights)
+    wrong = tmp_path / "wrong.pth"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), wrong)
+    assert f"--inception_weights {wrong}: not the inception-v3-compat network" in fails(
+        "--num_images", str(N), *weights, "--inception_weights", str(wrong)
+    )
+    assert not os.path.exists(tmp_path / "eval" / "reference")  # scoring failed: no folder kept
+    assert not [p for p in os.listdir(tmp_path / "eval") if p.startswith(".partial")]
+    assert "no such file" in fails("--num_images", str(N), "--inception_weights", str(tmp_path / "missing.pth"))
+    with mock.patch.dict(os.environ, {"TORCH_HOME": str(tmp_path / "torch")}):  # no weights cached, no network
+        line = fails("--num_images", str(N))
+    assert "FID needs weights-inception-2015-12-05-6726825d.pth and it could not be downloaded" in line
+    assert line.endswith("or pass --inception_weights PATH")
