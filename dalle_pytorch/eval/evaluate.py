@@ -82,6 +82,8 @@ def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, fi
     if cfg.image_text_folder:  # your data
         if cfg.dalle_path:
             results["dalle"] = evaluate_dalle_on_data(cfg, sampling, rerank, fidelity)
+            if results["dalle"] is None:  # another rank than 0: it generated its share, rank 0 writes the results
+                return {}
         else:
             results["vae"] = evaluate_vae_on_data(cfg, fidelity)
     else:  # the built-in dataset, read back by the parser

@@ -5,6 +5,10 @@ reconstructions of their images, scored against those images by torch-fidelity (
         --num_images N [--clip_path clip.safetensors --candidates K] --out DIR
     python -m dalle_pytorch.eval --vae_path vae.safetensors --image_text_folder VAL --num_images N --out DIR
 
+Under torchrun (or srun, one task per process, with MASTER_ADDR and MASTER_PORT set) every rank generates its
+share of the captions, batch by batch, each batch seeded from --seed and its number, so the images are the same at
+any world size; rank 0 scores them.
+
 DIR/reference/ holds VAL's first N images at the model's resolution (resized and centre-cropped as training reads
 them), exactly the PNGs the feature extractor reads; DIR/generated/ the images scored (the first sample per caption);
 with a CLIP and --candidates K > 1 also DIR/generated_reranked/ (the one of K samples CLIP scores highest, DALL-E's
@@ -48,17 +52,63 @@ def validation_pairs(folder: str, wds: str, image_size: int, n: int, captions: b
     return pairs
 
 
-class Folders:
-    """The result folders under `out`, written into a temporary folder beside them and moved into place by
-    `keep()` once everything is written: a run that stops midway leaves the previous results whole."""
+class Ranks:
+    """This process's place among the evaluation's processes: torchrun's or SLURM's variables, or alone. The group is
+    torch.distributed's own (Gloo, NCCL on GPUs): the evaluation needs a broadcast, a gather and a barrier."""
 
-    def __init__(self, out: str, *names: str):
-        os.makedirs(out, exist_ok=True)
+    def __init__(self):
+        env = os.environ
+        if "WORLD_SIZE" in env:  # torchrun
+            self.rank, self.world, self.local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+        elif int(env.get("SLURM_NTASKS", "1")) > 1:  # srun
+            self.rank, self.world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+            self.local = int(env.get("SLURM_LOCALID", "0"))
+            if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+                raise ValueError("under srun, export MASTER_ADDR (the first node) and MASTER_PORT for the evaluation")
+        else:
+            self.rank, self.world, self.local = 0, 1, 0
+        self.device = pick_device(f"cuda:{self.local}" if torch.cuda.is_available() else "cpu")
+        if self.world > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL's object collectives use the current device
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            torch.distributed.init_process_group(backend, rank=self.rank, world_size=self.world)
+
+    def share(self, value):
+        """Rank 0's `value` on every rank."""
+        if self.world == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value) -> list:
+        if self.world == 1:
+            return [value]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, value)
+        return out
+
+    def close(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
+class Folders:
+    """The result folders under `out`, written into a temporary folder beside them (made by rank 0, shared) and moved
+    into place by `keep()` once everything is written: a run that stops midway leaves the previous results whole."""
+
+    def __init__(self, out: str, *names: str, ranks: Ranks | None = None):
+        tmp = None
+        if ranks is None or ranks.rank == 0:
+            os.makedirs(out, exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".partial-", dir=out)
+            for name in names:
+                os.makedirs(os.path.join(tmp, name))
         self.out = out
-        self.tmp = tempfile.mkdtemp(prefix=".partial-", dir=out)
+        self.tmp = tmp if ranks is None else ranks.share(tmp)
         self.paths = {name: os.path.join(self.tmp, name) for name in names}
-        for path in self.paths.values():
-            os.makedirs(path)
 
     def write(self, name: str, images: torch.Tensor, start: int) -> None:
         for i, image in enumerate(images):
@@ -86,10 +136,19 @@ def clip_scores(clip, tokenizer, captions: list[str], images: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def evaluate_dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int = 32) -> dict:
+def evaluate_dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int = 32) -> dict | None:
     """Generated images for VAL's captions against VAL's images: FID, KID, IS, precision/recall, and with a CLIP
-    the CLIP score, of the first sample per caption and (--candidates > 1) of CLIP's best of them."""
-    device = pick_device()
+    the CLIP score, of the first sample per caption and (--candidates > 1) of CLIP's best of them. Under several
+    processes every rank generates its share and rank 0 scores (the others return None)."""
+    ranks = Ranks()
+    try:
+        return _dalle_on_data(cfg, sampling, rerank, fidelity, batch_size, ranks)
+    finally:
+        ranks.close()
+
+
+def _dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int, ranks: Ranks) -> dict | None:
+    device = ranks.device
     dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device=device, weights=sampling.weights)
     clip = None
     if rerank.clip_path:
@@ -98,17 +157,19 @@ def evaluate_dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int = 32
     pairs = validation_pairs(cfg.image_text_folder, cfg.wds, vae.image_size, cfg.num_images)
     captions = [c for _, c in pairs]
     names = ["reference", "generated"] + (["generated_reranked"] if per_caption > 1 else [])
-    folders = Folders(cfg.out, *names)
+    folders = Folders(cfg.out, *names, ranks=ranks)
     options = sampling.token_options(dalle)
-    g = torch.Generator(device).manual_seed(cfg.seed)
-    scores = {name: [] for name in names[1:]}
+    scores = {name: {} for name in names[1:]}  # batch number -> CLIP scores of its images
     try:
         step = max(batch_size // per_caption, 1)
-        for start in range(0, len(pairs), step):
+        for k, start in enumerate(range(0, len(pairs), step)):
+            if k % ranks.world != ranks.rank:
+                continue
             chunk = captions[start : start + step]
             folders.write("reference", torch.stack([img for img, _ in pairs[start : start + step]]), start)
             text, _ = tokenizer.tokenize(chunk, dalle.cfg.text_seq_len)
             rows = text.to(device).repeat_interleave(per_caption, 0)
+            g = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + k)  # the batch's images at any world size
             images = candidate_images(dalle, vae, rows, len(rows), g, **options)
             images = images.view(len(chunk), per_caption, *images.shape[1:])  # (captions, samples, c, s, s)
             kept = {"generated": images[:, 0]}
@@ -119,20 +180,27 @@ def evaluate_dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int = 32
             for name, batch in kept.items():
                 folders.write(name, batch, start)
                 if clip is not None:
-                    scores[name].append(clip_scores(clip, clip_tokenizer, chunk, batch))
+                    scores[name][k] = clip_scores(clip, clip_tokenizer, chunk, batch).cpu()
+        gathered = ranks.gather(scores)  # also: every rank has written its share
+        if ranks.rank != 0:
+            return None
+        for name in scores:
+            for theirs in gathered:
+                scores[name].update(theirs[name])
         result = {"num_images": len(pairs), "sampling": options, "fidelity": settings(fidelity)}
         result.update(fidelity_metrics(folders.paths["generated"], folders.paths["reference"], fidelity, device.type))
         if clip is not None:
-            result["clip_score"] = torch.cat(scores["generated"]).mean().item()
+            result["clip_score"] = torch.cat(list(scores["generated"].values())).mean().item()
         if per_caption > 1:
             reranked = fidelity_metrics(
                 folders.paths["generated_reranked"], folders.paths["reference"], fidelity, device.type
             )
             result["reranked"] = {"candidates": per_caption, **reranked}
-            result["reranked"]["clip_score"] = torch.cat(scores["generated_reranked"]).mean().item()
+            result["reranked"]["clip_score"] = torch.cat(list(scores["generated_reranked"].values())).mean().item()
         folders.keep()
     except BaseException:
-        folders.drop()
+        if ranks.rank == 0:
+            folders.drop()
         raise
     write_grid(cfg.out, captions, "generated")
     return result
