@@ -92,10 +92,17 @@ def image_count(folder: str) -> int:
 
 
 def fidelity_metrics(
-    generated: str, reference: str, cfg: FidelityConfig, device: str = "cpu", precision_recall: bool = True
+    generated: str,
+    reference: str,
+    cfg: FidelityConfig,
+    device: str = "cpu",
+    precision_recall: bool = True,
+    reference_cache: str = "",
 ) -> dict:
     """FID, KID (mean and std over subsets), Inception Score (of `generated`; Inception features only) and
-    precision/recall (Kynkäänniemi et al. 2019, k = 3) of the PNGs in `generated` against those in `reference`."""
+    precision/recall (Kynkäänniemi et al. 2019, k = 3) of the PNGs in `generated` against those in `reference`.
+    `reference_cache`: a folder where torch-fidelity keeps the reference's features (named after the reference
+    folder), computed the first time and read afterwards."""
     n = min(image_count(generated), image_count(reference))
     if n < MIN_IMAGES:
         raise ValueError(f"FID and its friends need at least {MIN_IMAGES} images on each side (got {n})")
@@ -106,15 +113,17 @@ def fidelity_metrics(
         batch_size=cfg.fidelity_batch_size,
         kid_subset_size=min(1000, n),  # torch-fidelity's default, or all the images where there are fewer
         samples_find_ext="png",
-        cache=False,
+        cache=bool(reference_cache),
         verbose=False,
     )
+    if reference_cache:
+        common.update(cache_root=reference_cache, input2_cache_name=os.path.basename(os.path.normpath(reference)))
     if cfg.feature_extractor != INCEPTION:  # DINOv2 for all three (torch.hub); no Inception Score
         return _calculate(common, cfg.feature_extractor, None, "", fid=True, kid=True, prc=precision_recall)
     inception = weights_file(inception_url(), cfg.inception_weights, "--inception_weights", "FID")
-    vgg16 = weights_file(vgg16_url(), cfg.vgg16_weights, "--vgg16_weights", "precision/recall")
     out = _calculate(common, INCEPTION, inception, "--inception_weights", isc=True, fid=True, kid=True)
     if precision_recall:  # VGG-16 at 224 x 224: about as long again as the rest
+        vgg16 = weights_file(vgg16_url(), cfg.vgg16_weights, "--vgg16_weights", "precision/recall")
         out.update(_calculate(common, "vgg16", vgg16, "--vgg16_weights", prc=True))
     return out
 

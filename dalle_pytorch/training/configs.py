@@ -70,6 +70,17 @@ class TrainConfig:
     # outputs
     val_every: int = flag(0, "validation loss every N steps (0: none); held-out samples: see --val_fraction")
     val_batches: int = flag(8, "validation batches per rank each time (--batch_size samples each)")
+    val_fid_every: int = flag(
+        0,
+        "FID and KID of the model's images (a DALLE's for validation captions, a VAE's reconstructions) against "
+        "--val_fid_samples validation images every N steps, logged as val_fid, val_kid (0: never)",
+    )
+    val_fid_samples: int = flag(1000, "validation images --val_fid_every measures (FID wants thousands)")
+    inception_weights: str = flag(
+        "",
+        "--val_fid_every: torch-fidelity's Inception weights file (weights-inception-2015-12-05-6726825d.pth); "
+        "default: downloaded once into torch's hub cache",
+    )
     val_fraction: float = flag(
         0.0,
         "hold out this fraction of the training samples for validation (without a validation folder; the built-in "

@@ -88,6 +88,22 @@ class DALLETask:
         scores = [score(self.heldout.scene(i), parse_image(image)) for i, image in zip(share, images)]
         return {f"heldout_{k}": torch.tensor(sum(s[k] for s in scores) / len(scores)) for k in ("full", *ATTRIBUTES)}
 
+    def fid_reference(self, indices):
+        images = torch.stack([self.val_dataset[i][0] for i in indices])
+        if images.dtype == torch.long:  # --precompute_tokens: the VAE's decoding of the stored codes
+            with torch.no_grad():
+                images = self.vae.cpu().decode(images).float()
+        return images.clamp(0, 1)
+
+    @torch.no_grad()
+    def fid_images(self, whole_model, indices, seed):
+        text = torch.stack([self.val_dataset[i][1] for i in indices])
+        with whole_model() as model:
+            device = next(model.parameters()).device
+            g = torch.Generator(device).manual_seed(seed)
+            tokens = generate_image_tokens(model, text.to(device), generator=g)
+        return self.vae.decode(tokens).float().clamp(0, 1).cpu()
+
     @torch.no_grad()
     def write_samples(self, model, step, path):
         if not self.sample_captions:

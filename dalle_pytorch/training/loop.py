@@ -20,6 +20,7 @@ from distributed import Workload
 from .batches import ShardedSampler, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
 from .ema import EMA
+from .fid_check import FidCheck
 from .hooks import HookContext, HookList, load_hooks
 from .metrics import MetricWindow
 from .run_dir import RunDir, progress
@@ -62,11 +63,12 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
         Workload(micro_batch=cfg.batch_size, activation_bytes=task.activation_bytes(cfg.batch_size)),
     )
     ema = EMA(cfg.ema, backend.weights(model)) if cfg.ema else None
+    fid = FidCheck(task, cfg, backend, run, run.print) if cfg.val_fid_every else None
     pos = resume(cfg.resume, backend, run, ema)
     if ema is not None:
         recovery.track(ema.average)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step (or the next), save, exit
-        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks, ema)
+        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks, ema, fid)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     if stop.reason == "SIGTERM" and pos.step < total:  # on every rank (the vote): saved, not finished
@@ -89,6 +91,7 @@ class Parts:
     stop: StopFlag
     hooks: list  # the user's (--hooks)
     ema: EMA | None  # --ema
+    fid: FidCheck | None  # --val_fid_every
 
 
 def train_steps(parts: Parts, pos: Position) -> Position:
@@ -148,6 +151,11 @@ def train_steps(parts: Parts, pos: Position) -> Position:
                 results = validate(task, model, backend, cfg, pos.step)
                 run.log_metrics(pos.step, results)
                 run.print(f"step {pos.step} validation " + " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+                hooks.on_evaluation(pos.step, results)
+            if cfg.val_fid_every and pos.step % cfg.val_fid_every == 0:
+                results = parts.fid(model, pos.step)
+                run.log_metrics(pos.step, results)
+                run.print(f"step {pos.step} " + " ".join(f"{k} {v:.4g}" for k, v in results.items()))
                 hooks.on_evaluation(pos.step, results)
             # SIGTERM (or a hook's request, made above on a log or evaluation) on any rank, agreed on by all
             stopping = vote()

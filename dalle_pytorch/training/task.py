@@ -36,6 +36,14 @@ class Task(Protocol):
         context giving the unwrapped module in eval mode with every parameter gathered (enter it on every
         rank, or on none)."""
 
+    def fid_reference(self, indices: list[int]) -> torch.Tensor:
+        """The validation images at `indices` (n, c, s, s) in [0, 1] on the CPU, that --val_fid_every measures the
+        model's images against."""
+
+    def fid_images(self, whole_model, indices: list[int], seed: int) -> torch.Tensor:
+        """The model's images for the validation samples at `indices`, (n, c, s, s) in [0, 1] on the CPU: a
+        DALLE's for their captions, a VAE's reconstructions. Called on every rank, `whole_model` as in val_scores."""
+
     def write_samples(self, model: nn.Module, step: int, path: str | None) -> None:
         """Called on every rank (sharded parameters are gathered collectively); writes `path` where not None."""
 

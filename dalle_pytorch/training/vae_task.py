@@ -63,6 +63,16 @@ class VAETask:
     def val_scores(self, whole_model, rank, world_size) -> dict:
         return {}
 
+    def fid_reference(self, indices):
+        return torch.stack([_image(self.val_dataset[i]) for i in indices])
+
+    @torch.no_grad()
+    def fid_images(self, whole_model, indices, seed):
+        images = self.fid_reference(indices)
+        with whole_model() as model:
+            recon = model.reconstruct(images.to(next(model.parameters()).device))
+        return recon.float().clamp(0, 1).cpu()
+
     @torch.no_grad()
     def write_samples(self, model, step, path):
         """Originals | hard reconstructions | soft reconstructions, one row each."""
@@ -76,3 +86,7 @@ class VAETask:
 
     def export(self, weights, ema=None):
         save_export(self.export_path, "vae", self.model.cfg.to_dict(), weights, ema=ema)
+
+
+def _image(item) -> torch.Tensor:
+    return item[0] if isinstance(item, (list, tuple)) else item

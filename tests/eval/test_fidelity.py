@@ -26,36 +26,6 @@ N = 12  # images scored: the Inception Score's 10 splits need 10
 
 
 @pytest.fixture(scope="module")
-def inception(tmp_path_factory):
-    """torch-fidelity's Inception v3 with fixed random values: He-initialised convolutions, so that features keep
-    their scale through its 94 layers (the module's own init would shrink them towards zero)."""
-    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-    torch.manual_seed(0)
-    with mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict"), mock.patch("torch.load", return_value={}):
-        net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path="-")
-    for m in net.modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-    path = tmp_path_factory.mktemp("inception") / "inception-random.pth"
-    torch.save(net.state_dict(), path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def vgg16(tmp_path_factory):
-    """torchvision's VGG-16 (precision/recall's features) with fixed random values, stored in float16 (276 MB;
-    load_state_dict casts them back)."""
-    import torchvision
-
-    torch.manual_seed(0)
-    net = torchvision.models.vgg16()
-    path = tmp_path_factory.mktemp("vgg16") / "vgg16-random.pth"
-    torch.save({k: v.half() for k, v in net.state_dict().items()}, path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def weights(inception, vgg16):
     return ["--inception_weights", inception, "--vgg16_weights", vgg16]
 
