@@ -19,6 +19,7 @@ Every check prints one row of the table; a failing check says FAIL and the run g
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -93,6 +94,37 @@ def end_to_end(tmp: str, env: dict) -> None:
     guarded("generate.py --compile --keep 4 (CLIP reranking)")(script)(
         "generate.py", [*gen, "--compile", "--keep", "4"], env
     )
+    guarded("python -m dalle_pytorch.eval on a caption folder (FID...)")(evaluation)(tmp, dalle_path, env)
+
+
+def evaluation(tmp: str, dalle_path: str, env: dict) -> str:
+    """The evaluation on your data, on a caption folder of 64 built-in images; the feature extractors hold fixed
+    random values (the GPU machine downloads nothing), so the FID checks the path, not the model."""
+    from fid import random_weights
+    from torchvision.utils import save_image
+
+    from dalle_pytorch.data.shapes import ShapesDataset
+
+    val, n = os.path.join(tmp, "val"), 64
+    os.makedirs(val)
+    data = ShapesDataset(n, 32, seed=3)
+    for i in range(n):
+        image, caption = data[i]
+        save_image(image, os.path.join(val, f"{i}.png"))
+        with open(os.path.join(val, f"{i}.txt"), "w") as f:
+            f.write(caption)
+    inception, vgg16 = random_weights(tmp)
+    out = os.path.join(tmp, "eval")
+    argv = ["-m", "dalle_pytorch.eval", "--dalle_path", dalle_path, "--image_text_folder", val, "--num_images", str(n)]
+    argv += ["--inception_weights", inception, "--vgg16_weights", vgg16, "--out", out]
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the evaluation exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    seconds = time.perf_counter() - t
+    with open(os.path.join(out, "results.json")) as f:
+        fid = json.load(f)["dalle"]["fid"]
+    return f"FID {fid:.1f} (random weights), {1000 * seconds / n:.0f} s per 1000 images generated and scored"
 
 
 def tiny_dalle(device) -> DALLE:
