@@ -40,6 +40,12 @@ class EvalConfig:
         "default: the built-in dataset",
     )
     wds: str = flag("", "the WebDataset keys of image and caption in --image_text_folder's shards, e.g. jpg,txt")
+    vqgan_model_path: str = flag(
+        "", "on your data: a taming VQGAN's .ckpt to evaluate as the tokenizer (with the next)"
+    )
+    vqgan_config_path: str = flag("", "on your data: the taming VQGAN's .yaml config")
+    openai_vae_path: str = flag("", "on your data: a folder with OpenAI's dVAE encoder.pkl and decoder.pkl to evaluate")
+    pretrained_image_size: int = flag(0, "the pretrained tokenizer's image size (default: its training resolution)")
     dalle_path: str = flag("", "DALLE export to evaluate by generation")
     num_images: int = flag(200, "captions per split (seen, held-out); on your data: validation pairs scored")
     candidates: int = flag(16, "with --clip_path: samples per caption (on your data: CLIP keeps the best)")
@@ -73,8 +79,13 @@ def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, fi
     from .on_data import evaluate_dalle_on_data, evaluate_vae_on_data
     from .vae_eval import evaluate_vae
 
-    if not (cfg.vae_path or cfg.dalle_path):
-        raise ValueError("give --vae_path and/or --dalle_path")
+    pretrained = cfg.vqgan_model_path or cfg.vqgan_config_path or cfg.openai_vae_path
+    if not (cfg.vae_path or cfg.dalle_path or pretrained):
+        raise ValueError("give --vae_path and/or --dalle_path (or a pretrained tokenizer's files)")
+    if pretrained and (cfg.dalle_path or cfg.vae_path or not cfg.image_text_folder):
+        raise ValueError(
+            "--vqgan_model_path / --openai_vae_path evaluate a pretrained tokenizer alone, on --image_text_folder"
+        )
     if cfg.wds and not cfg.image_text_folder:
         raise ValueError(f"--wds {cfg.wds} reads shards: give their URLs in --image_text_folder")
     os.makedirs(cfg.out, exist_ok=True)

@@ -213,7 +213,7 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     from torchmetrics.functional.image import structural_similarity_index_measure
 
     device = pick_device()
-    vae = load_vae(cfg.vae_path)[0].to(device)
+    vae = tokenizer(cfg).to(device)
     pairs = validation_pairs(cfg.image_text_folder, cfg.wds, vae.image_size, cfg.num_images, captions=False)
     folders = Folders(cfg.out, "reference", "reconstructed")
     mse, ssim, codes = 0.0, 0.0, []
@@ -241,6 +241,19 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     named = {"r" + k if k.startswith(("fid", "kid")) else k: v for k, v in metrics.items()}
     result.update({k: v for k, v in named.items() if "inception" not in k})
     return result
+
+
+def tokenizer(cfg):
+    """The image tokenizer the flags name: the project's VAE export, a taming VQGAN or OpenAI's dVAE."""
+    from ..models.pretrained import load_openai, load_vqgan
+
+    if cfg.vqgan_model_path or cfg.vqgan_config_path:
+        if not (cfg.vqgan_model_path and cfg.vqgan_config_path):
+            raise ValueError("a taming VQGAN needs --vqgan_model_path (.ckpt) and --vqgan_config_path (.yaml) together")
+        return load_vqgan(cfg.vqgan_model_path, cfg.vqgan_config_path, cfg.pretrained_image_size)[0]
+    if cfg.openai_vae_path:
+        return load_openai(cfg.openai_vae_path, cfg.pretrained_image_size)[0]
+    return load_vae(cfg.vae_path)[0]
 
 
 def write_grid(out: str, captions: list[str], name: str, count: int = 32) -> None:

@@ -194,3 +194,23 @@ def test_bad_input_is_one_line_and_nothing_is_written_half(vae_path, val, incept
         line = fails("--num_images", str(N))
     assert "FID needs weights-inception-2015-12-05-6726825d.pth and it could not be downloaded" in line
     assert line.endswith("or pass --inception_weights PATH")
+
+
+def test_a_pretrained_taming_vqgan_is_evaluated_from_its_files(val, inception, weights, tmp_path):
+    """A taming VQGAN as its repository writes it (model.yaml + a Lightning last.ckpt), random weights."""
+    import yaml
+    from pretrained_refs import VQGAN_DDCONFIG
+
+    from dalle_pytorch.models.vqgan import VQGAN, VQGANConfig
+
+    torch.manual_seed(0)
+    model = VQGAN(VQGANConfig(**{k: v for k, v in VQGAN_DDCONFIG.items() if k != "dropout"}, n_embed=64, embed_dim=32))
+    params = {"embed_dim": 32, "n_embed": 64, "ddconfig": dict(VQGAN_DDCONFIG)}
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"model": {"target": "taming.models.vqgan.VQModel", "params": params}}))
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "last.ckpt")
+    out = tmp_path / "eval"
+    argv = ["--vqgan_model_path", str(tmp_path / "last.ckpt"), "--vqgan_config_path", str(config), *weights]
+    v = evaluate.main([*argv, "--image_text_folder", val, "--num_images", str(N), "--out", str(out)])["vae"]
+    assert v["rfid"] > 0 and 0 < v["codebook_usage"] <= 1 and v["num_images"] == N
+    assert len(os.listdir(out / "reconstructed")) == N
