@@ -97,8 +97,10 @@ class DALLETask:
 
     @torch.no_grad()
     def fid_images(self, whole_model, indices, seed):
-        text = torch.stack([self.val_dataset[i][1] for i in indices])
-        with whole_model() as model:
+        with whole_model() as model:  # every rank enters it, one with no share too (more ranks than images)
+            if not indices:
+                return torch.zeros(0)
+            text = torch.stack([self.val_dataset[i][1] for i in indices])
             device = next(model.parameters()).device
             g = torch.Generator(device).manual_seed(seed)
             tokens = generate_image_tokens(model, text.to(device), generator=g)

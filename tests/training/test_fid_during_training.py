@@ -71,3 +71,15 @@ def test_val_fid_every_without_what_it_needs_is_one_line(vae_path, inception, tm
     assert "--val_fid_every: the clip model makes no images to measure" in fails(
         train_clip.main, [*clip, *FID, "--output_dir", str(tmp_path / "clip")]
     )
+
+
+@pytest.mark.launcher
+def test_under_torchrun_every_rank_generates_its_share(vae_path, inception, tmp_path):
+    from launch import launch
+
+    args = dalle_args(vae_path, str(tmp_path), 4, steps=4, extra=[*FID, "--inception_weights", inception])
+    launch("torchrun", "train_dalle.py", args)
+    run = os.path.join(tmp_path, "dalle")
+    logged = fid_rows(run)
+    assert [step for step, _, _ in logged] == [2, 4] and all(fid > 0 and kid == kid for _, fid, kid in logged), logged
+    assert sorted(os.listdir(os.path.join(run, "fid")))[0] == "cache"
