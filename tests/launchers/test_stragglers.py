@@ -64,7 +64,10 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
         within = first - 1 + PATIENCE * plan.LOG_EVERY  # the end of the third slowed log step
         assert (rank, host) == (1, socket.gethostname()) and why.startswith(WHY[way]), f"{way}:\n{table}"
         assert step <= within, f"{way}: named after step {within}:\n{table}"
+        # caught up at the first or second log step after the slowing: after the busy processes end, the threads that
+        # float between the 2 cores (Horovod's and Gloo's, the launcher's) take a log step to spread out again
+        # (seen once under horovodrun: rank 1's run-queue wait 27 ms per step in the first window, 14 ms in the next)
         again = next((s for s in caught_up if s > step), None)
-        assert again and last < again <= last + plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
+        assert again and last < again <= last + 2 * plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
         expected.append(at[0])
     assert named == expected, f"a rank named outside the slowed steps:\n{table}"
