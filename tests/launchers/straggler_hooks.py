@@ -28,8 +28,8 @@ def slowed(way: str, step: int) -> bool:
     return first <= step <= last
 
 
-# another job on rank 1's host: 3 busy processes on its core leave it a quarter of the core (about 4x its own time)
-HOGS = 3
+# another job on rank 1's host: 5 busy processes on its core leave it a sixth of the core (about 5x its own time)
+HOGS = 5
 # a busy loop that ends when its parent does (a test that fails midway leaves no hog behind)
 HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(100000))"
 

@@ -17,10 +17,12 @@ from launch import dalle_args, launch
 
 PATIENCE = 3  # --straggler_patience's default
 # The rule's default margin is 25%: on this 2-vCPU virtual machine the two ranks' own times differ by up to 53% in
-# steps where nothing is slowed (measured: a vCPU slower for a whole run, the helper threads of both ranks landing on
-# one core), which is real but not what these cases test. Each slowing here is 4x or more, so a margin of 100%
-# keeps the machine's spread out of the check without hiding any of them.
-MARGIN = 1.0
+# steps where nothing is slowed (a vCPU slower for a whole run, the helper threads of both ranks landing on one core),
+# and under horovodrun by up to 2.3x: its driver's and Horovod's threads hold about 40% of one core (rank 1's
+# run-queue wait 22-33 ms per 60 ms step with nothing slowed, in two fresh-clone runs). That is real, but not what
+# these cases test: each slowing here is 4x or more (5 busy processes leave rank 1 a sixth of its core), so a margin
+# of 200% keeps the machine's spread out of the check without hiding any of them.
+MARGIN = 2.0
 BATCH = 64  # steps long enough (about 20 ms of own work) that busy processes on its core slow a rank's work rather
 # than only delay its start (Linux lets a thread that woke from a wait run a few ms first)
 WHY = {
