@@ -28,9 +28,9 @@ sys.path.insert(0, ROOT)
 BINDING = os.path.join(os.path.dirname(ROOT), "shared", "bench", "binding.py")
 
 
-def random_weights(out: str) -> tuple[str, str]:
-    """(Inception, VGG-16) weights files of the right architectures with fixed random values (as the tests)."""
-    import torchvision
+def random_inception(path: str) -> str:
+    """torch-fidelity's Inception v3 with fixed random values, saved at `path`: He-initialised convolutions, so that
+    features keep their scale through its 94 layers (the module's own init would shrink them towards zero)."""
     from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
     torch.manual_seed(0)
@@ -39,10 +39,25 @@ def random_weights(out: str) -> tuple[str, str]:
     for m in net.modules():
         if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
             torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-    inception, vgg = os.path.join(out, "inception-random.pth"), os.path.join(out, "vgg16-random.pth")
-    torch.save(net.state_dict(), inception)
-    torch.save({k: v.half() for k, v in torchvision.models.vgg16().state_dict().items()}, vgg)
-    return inception, vgg
+    torch.save(net.state_dict(), path)
+    return path
+
+
+def random_vgg16(path: str) -> str:
+    """torchvision's VGG-16 with fixed random values, saved at `path` in float16 (276 MB; load_state_dict casts
+    them back)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    torch.save({k: v.half() for k, v in torchvision.models.vgg16().state_dict().items()}, path)
+    return path
+
+
+def random_weights(out: str) -> tuple[str, str]:
+    """(Inception, VGG-16) weights files of the right architectures with fixed random values (as the tests)."""
+    return random_inception(os.path.join(out, "inception-random.pth")), random_vgg16(
+        os.path.join(out, "vgg16-random.pth")
+    )
 
 
 def split(data: str, n_val: int) -> tuple[str, str]:

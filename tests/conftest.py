@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from unittest import mock
 
 import pytest
 
@@ -159,33 +158,39 @@ def reference(vae_path, tmp_path_factory):
     return out
 
 
-# FID's feature extractors with fixed random values (no weights can be downloaded here): tests/eval/test_fidelity.py
-# checks the project's figures against torch-fidelity's own command with these same files
+# FID's feature extractors with fixed random values (no weights can be downloaded here), built by bench/fid.py:
+# tests/eval/test_fidelity.py checks the project's figures against torch-fidelity's own command with these files
+def _bench_fid():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fid", os.path.join(ROOT, "bench", "fid.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def inception(tmp_path_factory):
-    """torch-fidelity's Inception v3 with fixed random values: He-initialised convolutions, so that features keep
-    their scale through its 94 layers (the module's own init would shrink them towards zero)."""
-    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
-    torch.manual_seed(0)
-    with mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict"), mock.patch("torch.load", return_value={}):
-        net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path="-")
-    for m in net.modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-    path = tmp_path_factory.mktemp("inception") / "inception-random.pth"
-    torch.save(net.state_dict(), path)
-    return str(path)
+    return _bench_fid().random_inception(str(tmp_path_factory.mktemp("inception") / "inception-random.pth"))
 
 
 @pytest.fixture(scope="session")
 def vgg16(tmp_path_factory):
-    """torchvision's VGG-16 (precision/recall's features) with fixed random values, stored in float16 (276 MB;
-    load_state_dict casts them back)."""
-    import torchvision
+    return _bench_fid().random_vgg16(str(tmp_path_factory.mktemp("vgg16") / "vgg16-random.pth"))
 
-    torch.manual_seed(0)
-    net = torchvision.models.vgg16()
-    path = tmp_path_factory.mktemp("vgg16") / "vgg16-random.pth"
-    torch.save({k: v.half() for k, v in net.state_dict().items()}, path)
-    return str(path)
+
+@pytest.fixture(scope="module")
+def exports(vae_path, tmp_path_factory):
+    """A tiny trained DALLE and a CLIP that reranks for it (the service's and the evaluation's tests)."""
+    from helpers import ONE_THREAD
+    from launch import dalle_args
+
+    import train_clip
+    import train_dalle
+
+    out = str(tmp_path_factory.mktemp("exports"))
+    dalle = train_dalle.main(dalle_args(vae_path, out, 8, steps=4))
+    tiny = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
+    clip_args = ["--dalle_path", dalle, *tiny, *ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64"]
+    clip = train_clip.main([*clip_args, "--steps", "2", "--batch_size", "8", "--output_dir", out])
+    return dalle, clip

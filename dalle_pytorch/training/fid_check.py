@@ -19,6 +19,7 @@ import torch
 from torchvision.utils import save_image
 
 from ..eval.fidelity import MIN_IMAGES, FidelityConfig, fidelity_metrics
+from ..eval.on_data import Folders
 
 
 class FidCheck:
@@ -48,7 +49,10 @@ class FidCheck:
             if os.path.isdir(reference):
                 say(f"--val_fid_every: reusing the reference images and their statistics in {reference}")
             else:
-                write_folder(images, reference)
+                name = os.path.basename(reference)
+                folders = Folders(self.root, name)  # made whole in a temporary folder beside it, then moved in
+                folders.write(name, images, 0)
+                folders.keep()
         self.reference = reference
 
     def __call__(self, model, step: int) -> dict:
@@ -74,13 +78,3 @@ class FidCheck:
             shutil.rmtree(folder)
         fid, kid = b.all_reduce(figures, op="sum").tolist()
         return {"val_fid": fid, "val_kid": kid}
-
-
-def write_folder(images: torch.Tensor, folder: str) -> None:
-    """PNGs 000000.png ... into `folder`, made whole in a temporary folder beside it first."""
-    tmp = folder + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for i, image in enumerate(images):
-        save_image(image, os.path.join(tmp, f"{i:06d}.png"))
-    os.replace(tmp, folder)

@@ -13,8 +13,8 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import ONE_THREAD, ROOT
-from launch import BIN, PORTS, dalle_args
+from helpers import ROOT
+from launch import BIN, PORTS
 from torchvision.utils import save_image
 
 from dalle_pytorch.data.shapes import ShapesDataset
@@ -41,20 +41,6 @@ def val(tmp_path_factory):
         save_image(image, root / f"{i:03d}.png")
         (root / f"{i:03d}.txt").write_text(caption)
     return str(root)
-
-
-@pytest.fixture(scope="module")
-def exports(vae_path, tmp_path_factory):
-    """A tiny trained DALLE and a CLIP that reranks for it."""
-    import train_clip
-    import train_dalle
-
-    out = str(tmp_path_factory.mktemp("exports"))
-    dalle = train_dalle.main(dalle_args(vae_path, out, 8, steps=4))
-    tiny = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
-    clip_args = ["--dalle_path", dalle, *tiny, *ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64"]
-    clip = train_clip.main([*clip_args, "--steps", "2", "--batch_size", "8", "--output_dir", out])
-    return dalle, clip
 
 
 def library_command(generated: str, reference: str, inception: str, vgg16: str = "") -> dict:

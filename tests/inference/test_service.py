@@ -15,26 +15,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import ONE_THREAD, ROOT, ServerProcess
-from launch import dalle_args
+from helpers import ROOT, ServerProcess
 
 pytestmark = pytest.mark.e2e
 SERVE = os.path.join(ROOT, "serve.py")
 ARTIFACTS = os.environ.get("DALLE_TEST_ARTIFACTS", "")
-
-
-@pytest.fixture(scope="module")
-def exports(vae_path, tmp_path_factory):
-    """A tiny trained DALLE and a CLIP that reranks for it."""
-    import train_clip
-    import train_dalle
-
-    out = str(tmp_path_factory.mktemp("serve"))
-    dalle = train_dalle.main(dalle_args(vae_path, out, 8, steps=4))
-    tiny = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
-    clip_args = ["--dalle_path", dalle, *tiny, *ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64"]
-    clip = train_clip.main([*clip_args, "--steps", "2", "--batch_size", "8", "--output_dir", out])
-    return dalle, clip
 
 
 class Server(ServerProcess):
