@@ -40,11 +40,18 @@ class EvalConfig:
         "default: the built-in dataset",
     )
     wds: str = flag("", "the WebDataset keys of image and caption in --image_text_folder's shards, e.g. jpg,txt")
-    vqgan_model_path: str = flag(
-        "", "on your data: a taming VQGAN's .ckpt to evaluate as the tokenizer (with the next)"
+    taming: bool = flag(
+        False,
+        "on your data: evaluate a taming-transformers VQGAN as the tokenizer: with --vqgan_model_path and "
+        "--vqgan_config_path, or alone for the predecessor's default VQGAN (downloaded once)",
     )
-    vqgan_config_path: str = flag("", "on your data: the taming VQGAN's .yaml config")
-    openai_vae_path: str = flag("", "on your data: a folder with OpenAI's dVAE encoder.pkl and decoder.pkl to evaluate")
+    vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
+    vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
+    openai_vae_path: str = flag(
+        "",
+        "on your data: evaluate OpenAI's dVAE, a folder with encoder.pkl and decoder.pkl (an empty folder: "
+        "downloaded into it once)",
+    )
     pretrained_image_size: int = flag(0, "the pretrained tokenizer's image size (default: its training resolution)")
     dalle_path: str = flag("", "DALLE export to evaluate by generation")
     num_images: int = flag(200, "captions per split (seen, held-out); on your data: validation pairs scored")
@@ -79,13 +86,11 @@ def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, fi
     from .on_data import evaluate_dalle_on_data, evaluate_vae_on_data
     from .vae_eval import evaluate_vae
 
-    pretrained = cfg.vqgan_model_path or cfg.vqgan_config_path or cfg.openai_vae_path
+    pretrained = cfg.taming or cfg.vqgan_model_path or cfg.vqgan_config_path or cfg.openai_vae_path
     if not (cfg.vae_path or cfg.dalle_path or pretrained):
-        raise ValueError("give --vae_path and/or --dalle_path (or a pretrained tokenizer's files)")
-    if pretrained and (cfg.dalle_path or cfg.vae_path or not cfg.image_text_folder):
-        raise ValueError(
-            "--vqgan_model_path / --openai_vae_path evaluate a pretrained tokenizer alone, on --image_text_folder"
-        )
+        raise ValueError("give --vae_path and/or --dalle_path (or a pretrained tokenizer: --taming, --openai_vae_path)")
+    if pretrained and (cfg.dalle_path or not cfg.image_text_folder):
+        raise ValueError("--taming / --openai_vae_path evaluate a pretrained tokenizer alone, on --image_text_folder")
     if cfg.wds and not cfg.image_text_folder:
         raise ValueError(f"--wds {cfg.wds} reads shards: give their URLs in --image_text_folder")
     os.makedirs(cfg.out, exist_ok=True)

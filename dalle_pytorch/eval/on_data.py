@@ -18,6 +18,7 @@ when whole.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -29,7 +30,7 @@ import torch
 from torchvision.utils import save_image
 
 from ..data.build import build_dataset
-from ..inference.load import load_dalle, load_vae, pick_device
+from ..inference.load import load_dalle, pick_device
 from ..inference.pipeline import best_of, candidate_images, load_reranker
 from ..models.vae import codebook_stats
 from .fidelity import MIN_IMAGES, fidelity_metrics, settings
@@ -212,8 +213,10 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     PSNR, SSIM, and how much of the codebook the images use (usage, perplexity)."""
     from torchmetrics.functional.image import structural_similarity_index_measure
 
+    from ..training.image_tokenizer import load_image_tokenizer
+
     device = pick_device()
-    vae = tokenizer(cfg).to(device)
+    vae = load_image_tokenizer(dataclasses.asdict(cfg))[0].to(device)  # as train_dalle.py reads these flags
     pairs = validation_pairs(cfg.image_text_folder, cfg.wds, vae.image_size, cfg.num_images, captions=False)
     folders = Folders(cfg.out, "reference", "reconstructed")
     mse, ssim, codes = 0.0, 0.0, []
@@ -241,19 +244,6 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     named = {"r" + k if k.startswith(("fid", "kid")) else k: v for k, v in metrics.items()}
     result.update({k: v for k, v in named.items() if "inception" not in k})
     return result
-
-
-def tokenizer(cfg):
-    """The image tokenizer the flags name: the project's VAE export, a taming VQGAN or OpenAI's dVAE."""
-    from ..models.pretrained import load_openai, load_vqgan
-
-    if cfg.vqgan_model_path or cfg.vqgan_config_path:
-        if not (cfg.vqgan_model_path and cfg.vqgan_config_path):
-            raise ValueError("a taming VQGAN needs --vqgan_model_path (.ckpt) and --vqgan_config_path (.yaml) together")
-        return load_vqgan(cfg.vqgan_model_path, cfg.vqgan_config_path, cfg.pretrained_image_size)[0]
-    if cfg.openai_vae_path:
-        return load_openai(cfg.openai_vae_path, cfg.pretrained_image_size)[0]
-    return load_vae(cfg.vae_path)[0]
 
 
 def write_grid(out: str, captions: list[str], name: str, count: int = 32) -> None:

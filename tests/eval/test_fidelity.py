@@ -196,7 +196,23 @@ def test_a_pretrained_taming_vqgan_is_evaluated_from_its_files(val, inception, w
     config.write_text(yaml.safe_dump({"model": {"target": "taming.models.vqgan.VQModel", "params": params}}))
     torch.save({"state_dict": model.state_dict()}, tmp_path / "last.ckpt")
     out = tmp_path / "eval"
-    argv = ["--vqgan_model_path", str(tmp_path / "last.ckpt"), "--vqgan_config_path", str(config), *weights]
+    argv = ["--taming", "--vqgan_model_path", str(tmp_path / "last.ckpt"), "--vqgan_config_path", str(config), *weights]
     v = evaluate.main([*argv, "--image_text_folder", val, "--num_images", str(N), "--out", str(out)])["vae"]
     assert v["rfid"] > 0 and 0 < v["codebook_usage"] <= 1 and v["num_images"] == N
     assert len(os.listdir(out / "reconstructed")) == N
+
+
+def test_a_bare_taming_and_openais_dvae_are_downloaded_as_train_dalle_downloads_them(
+    pretrained_server, val, weights, tmp_path
+):
+    """The predecessor's default tokenizers (tiny ones from the tests' server): `--taming` alone, and
+    `--openai_vae_path` naming a folder without OpenAI's files, load as train_dalle.py loads them."""
+    empty = tmp_path / "dall_e"
+    empty.mkdir()
+    for name, flags in (("taming", ["--taming"]), ("openai", ["--openai_vae_path", str(empty)])):
+        argv = [*flags, *weights, "--image_text_folder", val, "--num_images", str(N), "--out", str(tmp_path / name)]
+        v = evaluate.main(argv)["vae"]
+        assert v["rfid"] > 0 and 0 < v["codebook_usage"] <= 1 and v["num_images"] == N
+        assert len(os.listdir(tmp_path / name / "reconstructed")) == N
+    fetched = sorted(name for name, _ in pretrained_server.log)
+    assert fetched == ["decoder.pkl", "encoder.pkl", "vqgan.1024.config.yml", "vqgan.1024.model.ckpt"]
