@@ -13,6 +13,8 @@ from torchvision.utils import save_image
 from ..data.shapes import ShapesDataset
 from ..inference.load import load_dalle
 from ..inference.pipeline import RerankConfig, SamplingConfig, best_of, candidate_images, load_reranker
+from .fidelity import settings
+from .on_data import score_sets
 from .parse import parse_image, score
 from .summary import VALIDATION_SEED, summarize
 
@@ -43,11 +45,14 @@ def evaluate_dalle(
     candidates: int = 16,
     seed: int = 0,
     batch_size: int = 64,
+    fidelity=None,
 ) -> dict:
     """Generated images parsed against their captions, `num_images` captions per split. With a CLIP
     (`rerank.clip_path`), each caption gets `candidates` samples: the plain rate is over all of them, the
     reranked one over the `rerank.keep` that CLIP scores highest (DALL-E's reranking), and the fraction of
-    captions with at least one fully right candidate (results.json, reranking.SPLIT_best_possible)."""
+    captions with at least one fully right candidate (results.json, reranking.SPLIT_best_possible).
+    With `fidelity` (a FidelityConfig), each split's first sample per caption (and CLIP's best) also gets FID and
+    its friends against the dataset's own images for the same captions: out/SPLIT/{reference,generated[_reranked]}."""
     dalle, vae, tokenizer = load_dalle(dalle_path, weights=sampling.weights)
     clip, keep = None, rerank.keep
     if rerank.clip_path:
@@ -57,6 +62,8 @@ def evaluate_dalle(
     options = sampling.token_options(dalle)
     per_caption = candidates if clip else 1
     result = {"bits_per_image_token": bits_per_image_token(dalle, vae, tokenizer), "sampling": options}
+    if fidelity is not None:
+        result["fidelity"] = settings(fidelity)
     if clip:
         result["reranking"] = {"candidates": candidates, "keep": keep}
         result["clip_retrieval"] = clip_retrieval(clip, clip_tokenizer, vae.image_size)
@@ -66,6 +73,7 @@ def evaluate_dalle(
         data = ShapesDataset(num_images, vae.image_size, seed=VALIDATION_SEED + 1, split=data_split)
         captions = [data[i][1] for i in range(num_images)]
         plain, reranked, grid, any_right = [], [], [], []
+        firsts, bests = [], []  # one image per caption: the first sample, CLIP's best
         for start in range(0, num_images, captions_per_batch):
             idx = list(range(start, min(start + captions_per_batch, num_images)))
             text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
@@ -79,13 +87,24 @@ def evaluate_dalle(
                     best, _ = best_of(clip, clip_tokenizer, captions[i], group, keep)
                     reranked += [scores[j] for j in best.tolist()]
                     any_right.append(any(s["full"] for s in scores))
+                    firsts.append(group[:1])
                     group = group[best]
+                    bests.append(group[:1])
+                else:
+                    firsts.append(group[:1])
                 grid.append(group[:1])
         result[split] = summarize(plain)
         if clip:
             result[f"{split}_reranked"] = summarize(reranked)
             # the rate a perfect reranker would reach (keep 1): below it the reranker loses, above the generator
             result["reranking"][f"{split}_best_possible"] = sum(any_right) / len(any_right)
+        if fidelity is not None:
+            sets = {"generated": torch.cat(firsts)} | ({"generated_reranked": torch.cat(bests)} if clip else {})
+            reference = torch.stack([data[i][0] for i in range(num_images)])
+            found = score_sets(os.path.join(out, split), reference, fidelity, **sets)
+            result[split].update(found["generated"], num_images=num_images)
+            if clip:
+                result[f"{split}_reranked"].update(found["generated_reranked"], num_images=num_images)
         grid = torch.cat(grid)[:64]
         save_image(grid, os.path.join(out, f"generated_{split}.png"), nrow=8, padding=1)
         shown = reranked[::keep] if clip else plain

@@ -56,6 +56,11 @@ class EvalConfig:
     dalle_path: str = flag("", "DALLE export to evaluate by generation")
     num_images: int = flag(200, "captions per split (seen, held-out); on your data: validation pairs scored")
     candidates: int = flag(16, "with --clip_path: samples per caption (on your data: CLIP keeps the best)")
+    fid: bool = flag(
+        False,
+        "on the built-in dataset: also FID, KID, IS and precision/recall of each split's images (a VAE's "
+        "reconstructions: rFID) against the dataset's own images, beside the parser's rates (on your data: always)",
+    )
     out: str = flag("eval", "folder for results.json, results.txt and the grids")
     seed: int = flag(0, "random seed of the sampling")
 
@@ -103,11 +108,14 @@ def evaluate(cfg: EvalConfig, sampling: SamplingConfig, rerank: RerankConfig, fi
         else:
             results["vae"] = evaluate_vae_on_data(cfg, fidelity)
     else:  # the built-in dataset, read back by the parser
+        scored = fidelity if cfg.fid else None
         if cfg.vae_path:
-            results["vae"] = evaluate_vae(load_vae(cfg.vae_path)[0])
+            results["vae"] = evaluate_vae(
+                load_vae(cfg.vae_path)[0], fidelity=scored, out=cfg.out, fid_images=cfg.num_images
+            )
         if cfg.dalle_path:
             results["dalle"] = evaluate_dalle(
-                cfg.dalle_path, cfg.num_images, cfg.out, sampling, rerank, cfg.candidates, cfg.seed
+                cfg.dalle_path, cfg.num_images, cfg.out, sampling, rerank, cfg.candidates, cfg.seed, fidelity=scored
             )
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

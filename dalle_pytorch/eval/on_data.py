@@ -30,6 +30,7 @@ import torch
 from torchvision.utils import save_image
 
 from ..data.build import build_dataset
+from ..inference.image_tokenizers import load_image_tokenizer
 from ..inference.load import load_dalle, pick_device
 from ..inference.pipeline import best_of, candidate_images, load_reranker
 from ..models.vae import codebook_stats
@@ -129,10 +130,16 @@ class Folders:
 
 @torch.no_grad()
 def clip_scores(clip, tokenizer, captions: list[str], images: torch.Tensor) -> torch.Tensor:
-    """CLIP score of each image with its caption: 100 x max(cosine similarity, 0) of their embeddings, as
-    torchmetrics' CLIPScore (Hessel et al. 2021 weigh it by 2.5 instead)."""
+    """CLIP score of each image with its caption (a string)."""
     text, _ = tokenizer.tokenize(captions, clip.cfg.text_seq_len)
-    cos = (clip.embed_text(text.to(images.device)) * clip.embed_image(images.float())).sum(-1)
+    return clip_score(clip, text.to(images.device), images)
+
+
+@torch.no_grad()
+def clip_score(clip, text: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """CLIP score of each image with its caption's token ids: 100 x max(cosine similarity, 0) of their embeddings,
+    as torchmetrics' CLIPScore (Hessel et al. 2021 weigh it by 2.5 instead)."""
+    cos = (clip.embed_text(text) * clip.embed_image(images.float())).sum(-1)
     return 100 * cos.clamp_min(0)
 
 
@@ -213,8 +220,6 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     PSNR, SSIM, and how much of the codebook the images use (usage, perplexity)."""
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    from ..training.image_tokenizer import load_image_tokenizer
-
     device = pick_device()
     vae = load_image_tokenizer(dataclasses.asdict(cfg))[0].to(device)  # as train_dalle.py reads these flags
     pairs = validation_pairs(cfg.image_text_folder, cfg.wds, vae.image_size, cfg.num_images, captions=False)
@@ -239,11 +244,31 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
         raise
     stats = codebook_stats(torch.cat(codes), vae.num_tokens)
     result = {"num_images": n, "fidelity": settings(fidelity), "psnr": -10 * math.log10(max(mse, 1e-10))}
-    result.update(ssim=ssim / n, **{k: v.item() for k, v in stats.items()})
-    # reconstruction FID and KID (rfid, rkid) and precision/recall; an Inception Score of reconstructions says nothing
-    named = {"r" + k if k.startswith(("fid", "kid")) else k: v for k, v in metrics.items()}
-    result.update({k: v for k, v in named.items() if "inception" not in k})
+    result.update(ssim=ssim / n, **{k: v.item() for k, v in stats.items()}, **reconstruction_figures(metrics))
     return result
+
+
+def reconstruction_figures(metrics: dict) -> dict:
+    """A tokenizer's figures from fidelity_metrics of its reconstructions: reconstruction FID and KID (rfid, rkid)
+    and precision/recall; an Inception Score of reconstructions says nothing."""
+    named = {"r" + k if k.startswith(("fid", "kid")) else k: v for k, v in metrics.items()}
+    return {k: v for k, v in named.items() if "inception" not in k}
+
+
+def score_sets(out: str, reference: torch.Tensor, fidelity, **sets: torch.Tensor) -> dict:
+    """Writes `reference` and each of `sets` (images in [0, 1]) as folders of PNGs under `out`, whole or not at all,
+    and returns each set's FID and friends against the reference: {name: figures}."""
+    folders = Folders(out, "reference", *sets)
+    try:
+        folders.write("reference", reference, 0)
+        for name, images in sets.items():
+            folders.write(name, images, 0)
+        found = {name: fidelity_metrics(folders.paths[name], folders.paths["reference"], fidelity) for name in sets}
+        folders.keep()
+    except BaseException:
+        folders.drop()
+        raise
+    return found
 
 
 def write_grid(out: str, captions: list[str], name: str, count: int = 32) -> None:

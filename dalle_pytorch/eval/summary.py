@@ -30,7 +30,7 @@ def summarize(scores: list[dict]) -> dict:
 
 def table(results: dict) -> str:
     """A short human-readable table of `results` from evaluate_vae / evaluate_dalle, or on your data."""
-    if "fid" in results.get("dalle", {}) or "rfid" in results.get("vae", {}):
+    if "fid" in results.get("dalle", {}) or "num_images" in results.get("vae", {}) and "parse" not in results["vae"]:
         return data_table(results)
     lines = []
     if "vae" in results:
@@ -39,6 +39,8 @@ def table(results: dict) -> str:
             f"VAE   PSNR {v['psnr']:.2f} dB | reconstructions parsed correctly {v['parse']['full']['mean']:.1%} "
             f"| codebook usage {v['codebook_usage']:.1%} (perplexity {v['codebook_perplexity']:.1f})"
         )
+        if "rfid" in v:  # --fid
+            lines.append(_row(f"VAE, {v['num_images']} images", v))
     if "dalle" in results:
         d = results["dalle"]
         lines.append(f"DALLE bits per image token (validation) {d['bits_per_image_token']:.3f}")
@@ -57,16 +59,16 @@ def table(results: dict) -> str:
                 for k in ("full", *ATTRIBUTES)
             )
             lines.append(f"{split:16} {s['n']:>5} {cells}")
+        for split in splits:
+            if "fid" in d[split]:  # --fid
+                lines.append(_row(f"{split}, {d[split]['num_images']} images", d[split]))
     return "\n".join(lines)
 
 
 def data_table(results: dict) -> str:
     """The figures on your data (on_data.py), one row per set of images scored."""
 
-    def row(name: str, r: dict) -> str:
-        cells = [f"{k} {_figure(r, k)}" for k in FIGURES if k in r]
-        return f"{name:<34} " + " | ".join(cells)
-
+    row = _row
     lines = []
     if "dalle" in results:
         d = results["dalle"]
@@ -77,6 +79,11 @@ def data_table(results: dict) -> str:
         v = results["vae"]
         lines.append(row(f"tokenizer, {v['num_images']} images", v))
     return "\n".join(lines)
+
+
+def _row(name: str, r: dict) -> str:
+    cells = [f"{k} {_figure(r, k)}" for k in FIGURES if k in r]
+    return f"{name:<34} " + " | ".join(cells)
 
 
 # the figures in the order a reader looks for them; a std beside its mean

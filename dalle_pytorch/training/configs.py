@@ -285,6 +285,11 @@ class DALLERunConfig(CaptionDataConfig, TextTokenizerConfig):
         False, "run the VAE over the data once before training (cached as RUN_DIR/tokens.pt; fixed crops)"
     )
     sample_captions: list = flag(DEFAULT_SAMPLE_CAPTIONS, "captions drawn in the sample grids")
+    val_clip_path: str = flag(
+        "",
+        "--val_fid_every: also the CLIP score of the images for their validation captions, val_clip_score, by this "
+        "CLIP export (train_clip.py with this run's text tokenizer and image size)",
+    )
     val_heldout_captions: int = flag(
         16,
         "built-in data: each validation (--val_every) also generates images for N captions of colour-shape pairs "

@@ -8,6 +8,7 @@ from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
 from ..data.tokenizer import Tokenizer
+from ..eval.on_data import clip_score
 from ..eval.parse import ATTRIBUTES, parse_image, score
 from ..inference.export import save_export
 from ..models.dalle import DALLE
@@ -31,9 +32,11 @@ class DALLETask:
         seed: int = 0,
         val_dataset=None,
         heldout: ShapesDataset | None = None,
+        clip=None,
     ):
         """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed;
-        `heldout`: built-in scenes of colour-shape pairs never trained on, generated and parsed at validation."""
+        `heldout`: built-in scenes of colour-shape pairs never trained on, generated and parsed at validation;
+        `clip`: a CLIP with this run's tokenizer that scores --val_fid_every's images (--val_clip_path)."""
         self.model = dalle
         self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
         self.vae_export = vae_export
@@ -45,6 +48,7 @@ class DALLETask:
         self.sample_captions = sample_captions
         self.seed = seed
         self.heldout = heldout
+        self.clip = clip
 
     def activation_bytes(self, batch_size: int) -> float:
         """~34 x tokens x dim bytes per layer in 16-bit (Korthikanti et al. 2022, without recomputation),
@@ -105,6 +109,20 @@ class DALLETask:
             g = torch.Generator(device).manual_seed(seed)
             tokens = generate_image_tokens(model, text.to(device), generator=g)
         return self.vae.decode(tokens).float().clamp(0, 1).cpu()
+
+    @torch.no_grad()
+    def fid_scores(self, indices, images) -> dict:
+        """Sums over `images` (fid_images of `indices`) of per-image scores: the CLIP score with its caption."""
+        if self.clip is None:
+            return {}
+        if not indices:
+            return {"val_clip_score": 0.0}
+        device = next(self.vae.parameters()).device
+        clip = self.clip.to(device)
+        text = torch.stack([self.val_dataset[i][1] for i in indices]).to(device)
+        n = clip.cfg.text_seq_len  # the same tokenizer (checked), perhaps another caption length
+        text = torch.nn.functional.pad(text, (0, max(n - text.shape[1], 0)))[:, :n]
+        return {"val_clip_score": clip_score(clip, text, images.to(device)).sum().item()}
 
     @torch.no_grad()
     def write_samples(self, model, step, path):

@@ -1,6 +1,7 @@
 """--val_fid_every N --val_fid_samples K: FID and KID of the model's images against K validation images, every N
 steps, logged to every tracker as val_fid / val_kid (a DALLE's images for the validation captions; a VAE's
-reconstructions: its rFID). Computed by torch-fidelity (dalle_pytorch/eval/fidelity.py); precision/recall and the
+reconstructions: its rFID), and with --val_clip_path a DALLE's val_clip_score (its CLIP's score of each image with
+its caption, averaged). Computed by torch-fidelity (dalle_pytorch/eval/fidelity.py); precision/recall and the
 Inception Score are left to `python -m dalle_pytorch.eval`, which has the time for them.
 
 The reference images are written once into the run directory, under a name made from their pixels
@@ -70,11 +71,12 @@ class FidCheck:
         for i, image in zip(share, images):
             save_image(image, os.path.join(folder, f"{i:06d}.png"))
         b.barrier()
-        figures = torch.zeros(2, dtype=torch.float64, device=b.device)
+        sums = self.task.fid_scores(share, images) if hasattr(self.task, "fid_scores") else {}
+        figures = torch.tensor([0.0, 0.0, *sums.values()], dtype=torch.float64, device=b.device)
         if b.is_main:
             cache = os.path.join(self.root, "cache")
             found = fidelity_metrics(folder, self.reference, self.fidelity, b.device.type, False, cache)
-            figures += torch.tensor([found["fid"], found["kid"]], dtype=torch.float64, device=b.device)
+            figures[:2] += torch.tensor([found["fid"], found["kid"]], dtype=torch.float64, device=b.device)
             shutil.rmtree(folder)
-        fid, kid = b.all_reduce(figures, op="sum").tolist()
-        return {"val_fid": fid, "val_kid": kid}
+        fid, kid, *rest = b.all_reduce(figures, op="sum").tolist()
+        return {"val_fid": fid, "val_kid": kid, **{name: total / len(self.indices) for name, total in zip(sums, rest)}}

@@ -38,6 +38,21 @@ from .session import shared_text_tokenizer, training_session
 from .vae_task import VAETask
 
 
+def scoring_clip(path: str, cfg, tokenizer, vae):
+    """--val_clip_path's CLIP, refused unless it reads this run's captions and images; None without it."""
+    from ..inference.fits import check_clip_fits
+    from ..inference.load import load_clip
+
+    if not path:
+        return None
+    if not cfg.val_fid_every:
+        raise ValueError("--val_clip_path scores the images --val_fid_every makes: add --val_fid_every N")
+    clip, clip_tokenizer = load_clip(path)
+    fit = {"tokenizer": tokenizer.to_dict(), "image_size": vae.image_size, "channels": vae.channels}
+    check_clip_fits(clip, clip_tokenizer, fit, "this run", path)
+    return clip
+
+
 def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backend_options: dict) -> str:
     """train_vae.py's run; returns the export's path."""
     configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
@@ -115,7 +130,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig,
         val = tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None
         task = DALLETask(
             dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed,
-            val_dataset=val, heldout=heldout,
+            val_dataset=val, heldout=heldout, clip=scoring_clip(run_cfg.val_clip_path, cfg, tokenizer, vae),
         )  # fmt: skip
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)

@@ -216,3 +216,24 @@ def test_a_bare_taming_and_openais_dvae_are_downloaded_as_train_dalle_downloads_
         assert len(os.listdir(tmp_path / name / "reconstructed")) == N
     fetched = sorted(name for name, _ in pretrained_server.log)
     assert fetched == ["decoder.pkl", "encoder.pkl", "vqgan.1024.config.yml", "vqgan.1024.model.ckpt"]
+
+
+def test_on_the_built_in_data_fid_sits_beside_the_parsers_rates(exports, vae_path, inception, weights, tmp_path):
+    """--fid on the built-in dataset: each split's first sample per caption scored against the dataset's own images
+    for those captions, in the same results as the parser's rates; a VAE's rFID beside its parsed reconstructions.
+    (CLIP's best of the samples goes through the same code: evaluate_dalle's docstring.)"""
+    dalle, _ = exports
+    out = tmp_path / "eval"
+    argv = ["--dalle_path", dalle, "--vae_path", vae_path, "--num_images", str(N), "--fid", *weights]
+    results = evaluate.main([*argv, "--out", str(out)])
+    d, v = results["dalle"], results["vae"]
+    for split in ("seen", "heldout"):
+        for folder in ("reference", "generated"):
+            assert sorted(os.listdir(out / split / folder)) == [f"{i:06d}.png" for i in range(N)], (split, folder)
+        assert 0 <= d[split]["full"]["mean"] <= 1 and d[split]["num_images"] == N and d[split]["fid"] > 0
+    theirs = library_command(str(out / "seen" / "generated"), str(out / "seen" / "reference"), inception)
+    assert abs(d["seen"]["fid"] - theirs["frechet_inception_distance"]) <= 1e-4 * max(1, d["seen"]["fid"])
+    assert v["rfid"] > 0 and "full" in v["parse"] and v["num_images"] == N
+    assert len(os.listdir(out / "reconstructed")) == N
+    text = (out / "results.txt").read_text()
+    assert "parsed correctly" in text and "seen, 12 images" in text and "rfid" in text

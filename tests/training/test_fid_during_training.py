@@ -24,9 +24,13 @@ def fid_rows(run: str) -> list[tuple[int, float, float]]:
     return [(r["step"], r["val_fid"], r["val_kid"]) for r in rows if "val_fid" in r]
 
 
-def test_a_dalle_logs_fid_and_a_resumed_run_reuses_the_reference(vae_path, inception, tmp_path):
+CLIP = ["--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2", "--patch_size", "4"]
+CLIP += [*ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64", "--steps", "2"]
+
+
+def test_a_dalle_logs_fid_and_a_resumed_run_reuses_the_reference(vae_path, inception, tmp_path, capsys):
     args = dalle_args(vae_path, str(tmp_path), 8, steps=4, extra=[*FID, "--inception_weights", inception])
-    train_dalle.main(args)
+    export = train_dalle.main(args)
     run = os.path.join(tmp_path, "dalle")
     logged = fid_rows(run)
     assert [step for step, _, _ in logged] == [2, 4] and all(fid > 0 for _, fid, _ in logged), logged
@@ -37,10 +41,23 @@ def test_a_dalle_logs_fid_and_a_resumed_run_reuses_the_reference(vae_path, incep
     stamps = {n: os.path.getmtime(os.path.join(run, "fid", "cache", n)) for n in cached}
     assert sorted(os.listdir(os.path.join(run, "fid"))) == ["cache", reference]  # each step's images removed
 
-    train_dalle.main([*args, "--resume", "auto", "--steps", "6"])
+    # resumed with a CLIP that reads this run's captions: its score of the same images too
+    clip = train_clip.main([*CLIP, "--dalle_path", export, "--output_dir", str(tmp_path / "clip")])
+    train_dalle.main([*args, "--resume", "auto", "--steps", "6", "--val_clip_path", clip])
     log = open(os.path.join(run, "train.log")).read()
     assert re.search(rf"--val_fid_every: reusing the reference images and their statistics in \S+{reference}", log)
     assert [step for step, _, _ in fid_rows(run)] == [2, 4, 6]
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    scores = [(r["step"], r["val_clip_score"]) for r in rows if "val_clip_score" in r]
+    assert [step for step, _ in scores] == [6] and 0 <= scores[0][1] <= 100, scores
+    with pytest.raises(SystemExit):
+        train_dalle.main([*dalle_args(vae_path, str(tmp_path / "b"), 8, steps=2), "--val_clip_path", clip])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("--val_clip_path scores the images --val_fid_every makes: add --val_fid_every N")
+    )
     assert {n: os.path.getmtime(os.path.join(run, "fid", "cache", n)) for n in cached} == stamps  # read, not redone
 
 
@@ -66,10 +83,8 @@ def test_val_fid_every_without_what_it_needs_is_one_line(vae_path, inception, tm
         train_dalle.main, [*base, *FID, "--val_fid_samples", "5000"]
     )
     dalle = train_dalle.main(base)
-    clip = ["--dalle_path", dalle, "--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2"]
-    clip += ["--patch_size", "4", *ONE_THREAD, "--num_workers", "0", "--quiet", "--dataset_size", "64", "--steps", "2"]
     assert "--val_fid_every: the clip model makes no images to measure" in fails(
-        train_clip.main, [*clip, *FID, "--output_dir", str(tmp_path / "clip")]
+        train_clip.main, [*CLIP, "--dalle_path", dalle, *FID, "--output_dir", str(tmp_path / "clip")]
     )
 
 
