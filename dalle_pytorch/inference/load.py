@@ -8,6 +8,7 @@ import torch
 from ..data.tokenizer import tokenizer_from_dict
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
+from ..models.vq_tokenizer import VQTokenizer, VQTokenizerConfig
 from .export import export_weights, load_export
 
 
@@ -16,18 +17,21 @@ def pick_device(name: str = "") -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def vae_from_export(obj: dict) -> DiscreteVAE:
+def vae_from_export(obj: dict) -> DiscreteVAE | VQTokenizer:
     """The frozen, eval-mode VAE of an export's dict (a vae.pt, or the `vae` entry of a dalle.pt), with its
     moving average of the weights where it has one: the same weights wherever the export is read."""
     cfg = dict(obj["config"])
-    cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
-    vae = DiscreteVAE(VAEConfig(**cfg))
+    if cfg.pop("model", "dvae") == "vqgan":  # train_vae.py --model vqgan
+        vae = VQTokenizer(VQTokenizerConfig(**cfg))
+    else:
+        cfg["normalization"] = tuple(tuple(t) for t in cfg["normalization"])
+        vae = DiscreteVAE(VAEConfig(**cfg))
     vae.load_state_dict(export_weights(obj))
     return vae.eval().requires_grad_(False)
 
 
-def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE, dict]:
-    """The frozen, eval-mode VAE stored in an export written by train_vae.py, and the export itself."""
+def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE | VQTokenizer, dict]:
+    """The frozen, eval-mode VAE (a dVAE or a VQGAN) stored in an export written by train_vae.py, and the export."""
     obj = load_export(path, "vae")
     return vae_from_export(obj).to(map_location), obj
 

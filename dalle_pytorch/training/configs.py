@@ -250,6 +250,34 @@ class VAERunConfig:
     vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.safetensors; a .pt path: torch's pickle)")
 
 
+@dataclass
+class VQGANRunConfig:
+    """train_vae.py --model vqgan: the VQGAN's own flags. It shares --image_size, --channels, --num_tokens,
+    --num_layers (downsamplings), --hidden_dim (channels at full resolution) and --num_resnet_blocks (per
+    resolution) with the dVAE."""
+
+    model: str = flag(
+        "dvae",
+        "the tokenizer to train: dvae (DALL-E's Gumbel-softmax discrete VAE) or vqgan (vector-quantized, with a "
+        "perceptual loss and a patch discriminator, as taming-transformers and LlamaGen train it)",
+        choices=("dvae", "vqgan"),
+    )
+    code_dim: int = flag(8, "--model vqgan: dimension of the codebook's vectors (LlamaGen's 8)")
+    l2_norm_codes: bool = flag(True, "--model vqgan: look codes up by cosine (l2-normalized vectors and codebook)")
+    commitment_weight: float = flag(0.25, "--model vqgan: weight of the commitment loss (beta)")
+    entropy_weight: float = flag(0.0, "--model vqgan: weight of LlamaGen's entropy loss on code use (0: none)")
+    perceptual_weight: float = flag(1.0, "--model vqgan: weight of the LPIPS perceptual loss (0: train without)")
+    perceptual_weights: str = flag(
+        "",
+        "--model vqgan: torchvision's VGG-16 ImageNet weights file (vgg16-397923af.pth) under LPIPS; default: "
+        "downloaded once into torch's hub cache",
+    )
+    disc_weight: float = flag(0.5, "--model vqgan: weight of the generator's adversarial (hinge) loss")
+    disc_start: int = flag(-1, "--model vqgan: step at which the discriminator's losses start (-1: half the run)")
+    disc_hidden_dim: int = flag(64, "--model vqgan: the discriminator's first channels")
+    disc_layers: int = flag(3, "--model vqgan: the discriminator's downsampling layers")
+
+
 DEFAULT_SAMPLE_CAPTIONS = [
     "a large red circle on the left",
     "a small blue triangle above a large yellow square",

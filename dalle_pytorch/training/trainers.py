@@ -20,7 +20,7 @@ from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
 from .batches import total_steps
 from .clip_task import CLIPTask
-from .configs import CLIPRunConfig, DALLERunConfig, TrainConfig, VAERunConfig
+from .configs import CLIPRunConfig, DALLERunConfig, TrainConfig, VAERunConfig, VQGANRunConfig
 from .dalle_task import DALLETask
 from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
@@ -53,9 +53,12 @@ def scoring_clip(path: str, cfg, tokenizer, vae):
     return clip
 
 
-def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backend_options: dict) -> str:
-    """train_vae.py's run; returns the export's path."""
-    configs = {"model": model_cfg, "vae": run_cfg, "train": cfg}
+def fit_vae(
+    model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, cfg: TrainConfig, backend_options: dict
+) -> str:
+    """train_vae.py's run (a dVAE, or a VQGAN with --model vqgan); returns the export's path."""
+    check_tokenizer_flags(model_cfg, run_cfg, vq)
+    configs = {"model": model_cfg, "vae": run_cfg, "vqgan": vq, "train": cfg}
     with training_session(cfg, fit_vae.run_name, configs, backend_options) as (backend, recovery, run):
         spec = DataSpec(
             run_cfg.image_folder, "--image_folder", run_cfg.wds, False, model_cfg.image_size, model_cfg.channels,
@@ -63,21 +66,71 @@ def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, cfg: TrainConfig, backe
         )  # fmt: skip
         data = datasets(spec, cfg, backend, run)
         dataset, val = data.train, data.val
-        # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
-        anneal = run_cfg.anneal_steps or total_steps(cfg, dataset, backend.world_size)
-        task = VAETask(
-            DiscreteVAE(model_cfg),
-            dataset,
-            run_cfg.vae_output or os.path.join(run.path, "vae.safetensors"),
-            (run_cfg.starting_temp, run_cfg.temp_min, anneal, run_cfg.temp_schedule),
-            val_dataset=val,
-        )
+        export_path = run_cfg.vae_output or os.path.join(run.path, "vae.safetensors")
+        steps = total_steps(cfg, dataset, backend.world_size)
+        if vq.model == "vqgan":
+            task = vqgan_task(model_cfg, vq, steps, dataset, export_path, val, backend.device, run)
+        else:  # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
+            temperature = (
+                run_cfg.starting_temp,
+                run_cfg.temp_min,
+                run_cfg.anneal_steps or steps,
+                run_cfg.temp_schedule,
+            )
+            task = VAETask(DiscreteVAE(model_cfg), dataset, export_path, temperature, val_dataset=val)
         pos = train(task, cfg, backend, recovery, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:
             run.print(f"skipped {skipped} unreadable images")
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
+
+
+# flags that only one tokenizer reads: (dataclass, names)
+DVAE_ONLY = (
+    (VAEConfig, ("codebook_dim", "temperature", "straight_through", "kl_div_loss_weight", "smooth_l1_loss")),
+    (VAERunConfig, ("starting_temp", "temp_min", "anneal_steps", "temp_schedule")),
+)
+
+
+def check_tokenizer_flags(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig) -> None:
+    """One line for a flag the chosen tokenizer does not read (a value other than its default)."""
+
+    def changed(obj, names):
+        defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+        return [n for n in names if getattr(obj, n) != defaults[n]]
+
+    if vq.model == "vqgan":
+        for obj, names in zip((model_cfg, run_cfg), (names for _, names in DVAE_ONLY)):
+            for name in changed(obj, names):
+                raise ValueError(f"--{name} is a dVAE flag: --model vqgan does not read it (see --help, --model vqgan)")
+    else:
+        for name in changed(vq, [f.name for f in dataclasses.fields(vq) if f.name != "model"]):
+            raise ValueError(f"--{name} is read with --model vqgan: add it, or leave the flag out for the dVAE")
+
+
+def vqgan_task(model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, export_path, val, device, run):
+    """The VQGAN (the tokenizer flags it shares with the dVAE, and its own) with its discriminator, and LPIPS."""
+    from ..models.vq_tokenizer import VQGANLoss, VQGANLossConfig, VQTokenizerConfig
+    from .perceptual import lpips_vgg
+    from .vae_task import VQGANTask
+
+    disc_start = steps // 2 if vq.disc_start < 0 else vq.disc_start
+    if disc_start > steps:
+        raise ValueError(
+            f"--disc_start {disc_start} is beyond the run's {steps} steps: the discriminator would never train; "
+            "lower it, or -1 for half the run"
+        )
+    tokenizer = VQTokenizerConfig(
+        image_size=model_cfg.image_size, channels=model_cfg.channels, num_tokens=model_cfg.num_tokens,
+        code_dim=vq.code_dim, num_layers=model_cfg.num_layers, hidden_dim=model_cfg.hidden_dim,
+        num_resnet_blocks=model_cfg.num_resnet_blocks, l2_norm=vq.l2_norm_codes,
+        commitment_weight=vq.commitment_weight, entropy_weight=vq.entropy_weight,
+    )  # fmt: skip
+    loss = VQGANLossConfig(vq.perceptual_weight, vq.disc_weight, disc_start, vq.disc_hidden_dim, vq.disc_layers)
+    perceptual = lpips_vgg(vq.perceptual_weights, device) if vq.perceptual_weight else None
+    run.print(f"VQGAN: the discriminator's losses start at step {disc_start}")
+    return VQGANTask(VQGANLoss(tokenizer, loss), dataset, export_path, perceptual, val_dataset=val)
 
 
 def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict) -> str:

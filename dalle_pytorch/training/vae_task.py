@@ -1,4 +1,5 @@
-"""Training the discrete VAE as a loop task: loss with the annealed temperature, codebook health, samples."""
+"""Training an image tokenizer as a loop task: DALL-E's discrete VAE (its loss with the annealed temperature) or a
+VQGAN (VQGANTask: with its discriminator and perceptual loss); codebook health, samples, the export."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torchvision.utils import save_image
 
 from ..inference.export import save_export
 from ..models.vae import DiscreteVAE, codebook_stats
+from ..models.vq_tokenizer import VQGANLoss
 from .schedules import gumbel_temperature
 
 
@@ -92,3 +94,38 @@ class VAETask:
 
 def _image(item) -> torch.Tensor:
     return item[0] if isinstance(item, (list, tuple)) else item
+
+
+class VQGANTask(VAETask):
+    """`model`: a VQGANLoss (the tokenizer with its discriminator, one module, one loss); `perceptual`: the frozen
+    LPIPS outside the trained module (no backend wraps or shards it), or None."""
+
+    def __init__(self, model: VQGANLoss, dataset, export_path: str, perceptual=None, val_dataset=None):
+        super().__init__(model, dataset, export_path, (1.0, 1.0, 1, "linear"), val_dataset=val_dataset)
+        self.perceptual = perceptual
+
+    def loss(self, model, images, step):
+        loss, metrics = model(images, step, self.perceptual)
+        self._codes.append(metrics.pop("indices").detach())
+        return loss, metrics
+
+    def window_metrics(self) -> dict:
+        stats = codebook_stats(torch.cat([c.flatten() for c in self._codes]), self.model.num_tokens)
+        return {k: v.item() for k, v in stats.items()}
+
+    @torch.no_grad()
+    def write_samples(self, model, step, path):
+        """Originals | reconstructions through the codebook, one row each."""
+        images = self._fixed.to(next(model.parameters()).device)
+        grid = torch.cat([images, model.reconstruct(images)])
+        if path is not None:
+            save_image(grid.float().cpu(), path, nrow=len(images), padding=1)
+
+    def export(self, weights, ema=None):
+        """The tokenizer alone (the discriminator stays in the checkpoints)."""
+
+        def own(state):
+            return {k[len("tokenizer.") :]: v for k, v in state.items() if k.startswith("tokenizer.")}
+
+        ema = None if ema is None else {**ema, "weights": own(ema["weights"])}
+        save_export(self.export_path, "vae", self.model.tokenizer.cfg.to_dict(), own(weights), ema=ema)
