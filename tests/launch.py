@@ -137,4 +137,5 @@ def restart_from_step_2(src, dst):
     """A copy of a finished 4-step run as if it had died right after its step-2 checkpoint."""
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "checkpoints" / "step-00000004")
-    os.remove(dst / "dalle.safetensors")
+    for export in glob.glob(os.path.join(dst, "*.safetensors")):  # dalle.safetensors, vae.safetensors
+        os.remove(export)
