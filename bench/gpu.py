@@ -75,7 +75,7 @@ def script(name: str, args: list[str], env: dict) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def end_to_end(tmp: str, env: dict) -> None:
+def end_to_end(tmp: str, env: dict, cpu: bool) -> None:
     common = ["--output_dir", tmp, "--num_workers", "2", "--quiet", "--dataset_size", "256", "--sample_every", "0"]
     tiny_vae = ["--image_size", "32", "--num_tokens", "64", "--steps", "6", "--batch_size", "16"]
     guarded("train_vae.py")(script)("train_vae.py", [*tiny_vae, *common], env)
@@ -95,6 +95,28 @@ def end_to_end(tmp: str, env: dict) -> None:
         "generate.py", [*gen, "--compile", "--keep", "4"], env
     )
     guarded("python -m dalle_pytorch.eval on a caption folder (FID...)")(evaluation)(tmp, dalle_path, env)
+    guarded("train_vae.py --model vqgan --precision bf16")(vqgan)(tmp, env, cpu)
+
+
+def vqgan(tmp: str, env: dict, cpu: bool) -> str:
+    """A VQGAN at 64 x 64 (LPIPS on a VGG-16 of fixed random values: nothing is downloaded there), its discriminator
+    from half the run, in bf16: its step time, and that its export tokenizes for train_dalle.py."""
+    from fid import random_vgg16
+
+    vgg16 = random_vgg16(os.path.join(tmp, "vgg16-lpips.pth"))
+    steps = 6 if cpu else 300
+    args = ["--model", "vqgan", "--image_size", "64", "--num_tokens", "1024", "--num_layers", "3", "--hidden_dim", "64"]
+    args += ["--perceptual_weights", vgg16, "--precision", "bf16", "--steps", str(steps), "--batch_size", "32"]
+    args += ["--output_dir", tmp, "--name", "vqgan", "--num_workers", "2", "--quiet", "--log_every", "10"]
+    script("train_vae.py", [*args, "--sample_every", "0", "--dataset_size", str(32 * steps)], env)
+    with open(os.path.join(tmp, "vqgan", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    step = sorted(r["seconds_per_step"] for r in rows[1:] or rows)[len(rows[1:] or rows) // 2]
+    last = rows[-1]
+    return (
+        f"{steps} steps, {1000 * step:.0f} ms/step at batch 32, 64px; last PSNR {last['psnr']:.1f}, "
+        f"codebook usage {last['codebook_usage']:.0%}"
+    )
 
 
 def evaluation(tmp: str, dalle_path: str, env: dict) -> str:
@@ -370,7 +392,7 @@ def main(argv=None):
     print(f"device: {name}, torch {torch.__version__}", flush=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        end_to_end(tmp, env)
+        end_to_end(tmp, env, args.cpu)
     backends(env, args.cpu)
     guarded("MFU, DALL-E-like shape, bf16")(lambda: mfu(device, args.cpu))()
     guarded("sampling at batch 32")(lambda: sampling(device, args.cpu))()

@@ -49,7 +49,7 @@ done
 # Linux; the pure-python ones are py3-none-any and fit any python. typing-extensions too: the machine has one,
 # perhaps older than the 4.16 pydantic 2.14 asks for, and bench/gpu.sh installs a wheel over an older version.
 for name in hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions webdataset braceexpand \
-  ftfy wcwidth; do
+  ftfy wcwidth torch-fidelity torchmetrics lightning-utilities; do
   version=$(pinned "$name")
   if ! have "$name" "$version"; then
     step "$name $version"
@@ -98,6 +98,8 @@ fi
 # Horovod is built from source against the machine's torch and NCCL (about 4 minutes on 2 cores for Gloo alone):
 # not here, where neither is, and not within the run, whose minutes are for the checks.
 NOT_BUILT+=("horovod	not built: no time within the run")
+# torch-fidelity's FID needs scipy (its cp312 wheel is about 35 MiB, more than a run carries with the rest)
+NOT_BUILT+=("scipy	not carried: 35 MiB; the evaluation's row needs it on the machine")
 printf '%s\n' "${NOT_BUILT[@]}" >"$DIR/NOT_BUILT"  # what bench/gpu.sh reports as not installed
 
 ls -l "$DIR"/*.whl | awk '{printf "%8.2f MiB  %s\n", $5 / 1048576, $NF}'
