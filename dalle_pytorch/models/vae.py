@@ -85,7 +85,27 @@ def check_images(images: torch.Tensor, channels: int, image_size: int) -> None:
         raise ValueError(f"expected images of shape (b, {c}, {s}, {s}) in [0, 1], got {tuple(images.shape)}")
 
 
-class DiscreteVAE(nn.Module):
+class ConfigSizes:
+    """The sizes of the tokenizer interface (shared with the pretrained adapters), read from `self.cfg`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cfg.num_tokens
+
+    @property
+    def image_size(self) -> int:
+        return self.cfg.image_size
+
+    @property
+    def fmap_size(self) -> int:
+        return self.cfg.fmap_size
+
+    @property
+    def channels(self) -> int:
+        return self.cfg.channels
+
+
+class DiscreteVAE(ConfigSizes, nn.Module):
     def __init__(self, cfg: VAEConfig):
         super().__init__()
         self.cfg = cfg
@@ -115,23 +135,6 @@ class DiscreteVAE(nn.Module):
         mean, std = cfg.normalization
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-
-    # tokenizer interface shared with pretrained adapters
-    @property
-    def num_tokens(self) -> int:
-        return self.cfg.num_tokens
-
-    @property
-    def image_size(self) -> int:
-        return self.cfg.image_size
-
-    @property
-    def fmap_size(self) -> int:
-        return self.cfg.fmap_size
-
-    @property
-    def channels(self) -> int:
-        return self.cfg.channels
 
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """(b, c, s, s) in [0, 1] -> (b, num_tokens, f, f)."""

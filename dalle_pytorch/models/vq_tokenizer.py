@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .vae import check_images
+from .vae import ConfigSizes, check_images
 from .vqgan_modules import AttnBlock, Downsample, ResnetBlock, Upsample
 
 
@@ -123,7 +123,7 @@ def _entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     return per_sample + (mean * mean.clamp_min(1e-12).log()).sum()
 
 
-class VQTokenizer(nn.Module):
+class VQTokenizer(ConfigSizes, nn.Module):
     """Encoder, quantizer, decoder. The tokenizer interface of DiscreteVAE: images in [0, 1], codes row-major."""
 
     def __init__(self, cfg: VQTokenizerConfig):
@@ -133,22 +133,6 @@ class VQTokenizer(nn.Module):
         self.decoder = _decoder(cfg)
         self.codebook = nn.Embedding(cfg.num_tokens, cfg.code_dim)
         nn.init.uniform_(self.codebook.weight, -1 / cfg.num_tokens, 1 / cfg.num_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cfg.num_tokens
-
-    @property
-    def image_size(self) -> int:
-        return self.cfg.image_size
-
-    @property
-    def fmap_size(self) -> int:
-        return self.cfg.fmap_size
-
-    @property
-    def channels(self) -> int:
-        return self.cfg.channels
 
     def _codebook(self) -> torch.Tensor:
         e = self.codebook.weight
