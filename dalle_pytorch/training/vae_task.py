@@ -23,7 +23,7 @@ class VAETask:
         vae: DiscreteVAE,
         dataset,
         export_path: str,
-        temperature: tuple[float, float, int, str],
+        temperature: tuple[float, float, int, str] | None,
         usage_window: int = 20,
         num_sample_images: int = 8,
         val_dataset=None,
@@ -33,9 +33,10 @@ class VAETask:
         self.val_dataset = val_dataset  # held-out images, or None: no validation
         self.export_path = export_path
         self.tokens_per_sample = vae.fmap_size**2  # image tokens per image, for tokens/s
-        self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
+        if temperature is not None:  # the dVAE's Gumbel-softmax anneal (start, end, steps, shape)
+            self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
+            self._last_tau = self.temp_start
         self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
-        self._last_tau = self.temp_start
         if isinstance(dataset, torch.utils.data.IterableDataset):
             readable = (item for item in dataset if isinstance(item, tuple))  # not a skipped sample's None
             first = [image for image, _ in itertools.islice(readable, num_sample_images)]
@@ -101,7 +102,7 @@ class VQGANTask(VAETask):
     LPIPS outside the trained module (no backend wraps or shards it), or None."""
 
     def __init__(self, model: VQGANLoss, dataset, export_path: str, perceptual=None, val_dataset=None):
-        super().__init__(model, dataset, export_path, (1.0, 1.0, 1, "linear"), val_dataset=val_dataset)
+        super().__init__(model, dataset, export_path, None, val_dataset=val_dataset)
         self.perceptual = perceptual
 
     def loss(self, model, images, step):
