@@ -115,6 +115,8 @@ def fidelity_metrics(
         samples_find_ext="png",
         cache=bool(reference_cache),
         verbose=False,
+        # on the CPU no loader workers: the feature extractor wants every core, and PNG decoding is cheap beside it
+        save_cpu_ram=not device.startswith("cuda"),
     )
     if reference_cache:
         common.update(cache_root=reference_cache, input2_cache_name=os.path.basename(os.path.normpath(reference)))
