@@ -146,7 +146,7 @@ def test_the_figures_behave_on_known_sets(val, inception, vgg16, tmp_path):
 def test_a_tokenizer_alone_reports_rfid_psnr_ssim_and_codebook_use(vae_path, val, inception, vgg16, weights, tmp_path):
     out = tmp_path / "eval"
     argv = ["--vae_path", vae_path, "--image_text_folder", val, "--num_images", str(N), "--out", str(out)]
-    v = evaluate.main([*argv, *weights])["vae"]
+    v = evaluate.main([*argv, *weights, "--no-precision_recall"])["vae"]  # P/R: the DALLE's test above
     assert sorted(os.listdir(out / "reconstructed")) == [f"{i:06d}.png" for i in range(N)]
     assert v["rfid"] > 0 and 0 < v["ssim"] <= 1 and v["psnr"] > 5 and 0 < v["codebook_usage"] <= 1
     assert "inception_score" not in v
@@ -197,6 +197,7 @@ def test_a_pretrained_taming_vqgan_is_evaluated_from_its_files(val, inception, w
     torch.save({"state_dict": model.state_dict()}, tmp_path / "last.ckpt")
     out = tmp_path / "eval"
     argv = ["--taming", "--vqgan_model_path", str(tmp_path / "last.ckpt"), "--vqgan_config_path", str(config), *weights]
+    argv += ["--no-precision_recall"]
     v = evaluate.main([*argv, "--image_text_folder", val, "--num_images", str(N), "--out", str(out)])["vae"]
     assert v["rfid"] > 0 and 0 < v["codebook_usage"] <= 1 and v["num_images"] == N
     assert len(os.listdir(out / "reconstructed")) == N
@@ -211,6 +212,7 @@ def test_a_bare_taming_and_openais_dvae_are_downloaded_as_train_dalle_downloads_
     empty.mkdir()
     for name, flags in (("taming", ["--taming"]), ("openai", ["--openai_vae_path", str(empty)])):
         argv = [*flags, *weights, "--image_text_folder", val, "--num_images", str(N), "--out", str(tmp_path / name)]
+        argv += ["--no-precision_recall"]
         v = evaluate.main(argv)["vae"]
         assert v["rfid"] > 0 and 0 < v["codebook_usage"] <= 1 and v["num_images"] == N
         assert len(os.listdir(tmp_path / name / "reconstructed")) == N
@@ -225,14 +227,14 @@ def test_on_the_built_in_data_fid_sits_beside_the_parsers_rates(exports, vae_pat
     dalle, _ = exports
     out = tmp_path / "eval"
     argv = ["--dalle_path", dalle, "--vae_path", vae_path, "--num_images", str(N), "--fid", *weights]
+    argv += ["--no-precision_recall"]  # the figures' path is the on-data test's; VGG-16 would double the time
     results = evaluate.main([*argv, "--out", str(out)])
     d, v = results["dalle"], results["vae"]
     for split in ("seen", "heldout"):
         for folder in ("reference", "generated"):
             assert sorted(os.listdir(out / split / folder)) == [f"{i:06d}.png" for i in range(N)], (split, folder)
         assert 0 <= d[split]["full"]["mean"] <= 1 and d[split]["num_images"] == N and d[split]["fid"] > 0
-    theirs = library_command(str(out / "seen" / "generated"), str(out / "seen" / "reference"), inception)
-    assert abs(d["seen"]["fid"] - theirs["frechet_inception_distance"]) <= 1e-4 * max(1, d["seen"]["fid"])
+    assert "precision" not in d["seen"] and results["dalle"]["fidelity"]["precision_recall_features"] == "none"
     assert v["rfid"] > 0 and "full" in v["parse"] and v["num_images"] == N
     assert len(os.listdir(out / "reconstructed")) == N
     text = (out / "results.txt").read_text()
