@@ -1,7 +1,7 @@
 """train_vae.py --model vqgan under the real launchers: the tokenizer and its discriminator (one module, one loss)
 on 2 ranks equal 1 process with the whole batch, under FSDP2 (each block its own unit) and DeepSpeed ZeRO-3 (the
 discriminator's frozen pass reads weights that ZeRO gathers by its hooks); a sharded checkpoint of 2 ranks resumes
-in 1 process to the uninterrupted run's weights. DDP and Horovod were checked the same way by hand.
+in 1 process to the uninterrupted run's weights. DDP, Horovod and Ray Train (DDP) were checked the same way by hand.
 
 The model is 64 channels wide, not 32: at 32 channels GroupNorm(32) puts one channel in each group, which cancels
 the bias of the convolution before it exactly; that bias's gradient is then rounding noise, which Adam's first step
