@@ -81,17 +81,15 @@ def evaluate_dalle(
             images = candidate_images(dalle, vae, rows, len(rows), g, **options)
             images = images.view(len(idx), per_caption, *images.shape[1:])  # (captions, samples, c, s, s)
             for i, group in zip(idx, images):
+                firsts.append(group[:1])
                 scores = [score(data.scene(i), parse_image(img)) for img in group]
                 plain += scores
                 if clip:
                     best, _ = best_of(clip, clip_tokenizer, captions[i], group, keep)
                     reranked += [scores[j] for j in best.tolist()]
                     any_right.append(any(s["full"] for s in scores))
-                    firsts.append(group[:1])
                     group = group[best]
                     bests.append(group[:1])
-                else:
-                    firsts.append(group[:1])
                 grid.append(group[:1])
         result[split] = summarize(plain)
         if clip:

@@ -125,12 +125,12 @@ def fidelity_metrics(
     )
     if reference_cache:
         common.update(cache_root=reference_cache, input2_cache_name=os.path.basename(os.path.normpath(reference)))
+    prc = precision_recall and cfg.precision_recall
     if cfg.feature_extractor != INCEPTION:  # DINOv2 for all three (torch.hub); no Inception Score
-        prc = precision_recall and cfg.precision_recall
         return _calculate(common, cfg.feature_extractor, None, "", fid=True, kid=True, prc=prc)
     inception = weights_file(inception_url(), cfg.inception_weights, "--inception_weights", "FID")
     out = _calculate(common, INCEPTION, inception, "--inception_weights", isc=True, fid=True, kid=True)
-    if precision_recall and cfg.precision_recall:  # VGG-16 at 224 x 224: about twice as long as the rest
+    if prc:  # VGG-16 at 224 x 224: about twice as long as the rest
         vgg16 = weights_file(vgg16_url(), cfg.vgg16_weights, "--vgg16_weights", "precision/recall")
         out.update(_calculate(common, "vgg16", vgg16, "--vgg16_weights", prc=True))
     return out

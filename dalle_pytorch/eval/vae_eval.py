@@ -31,7 +31,8 @@ def evaluate_vae(
         ids = vae.get_codebook_indices(images)
         recon = vae.decode(ids)
         codes.append(ids.cpu())
-        recons.append(recon.clamp(0, 1).cpu())
+        if fidelity is not None:
+            recons.append(recon.clamp(0, 1).cpu())
         mse += torch.nn.functional.mse_loss(recon, images, reduction="sum").item()
         scores += [score(data.scene(i), parse_image(r)) for i, r in zip(idx, recon.cpu())]
     mse /= n * images[0].numel()

@@ -237,22 +237,16 @@ class VQGANLossConfig:
     disc_layers: int = 3
 
 
-class VQGANLoss(nn.Module):
-    """The tokenizer and its discriminator, trained together by one loss (see the module's docstring)."""
+class VQGANLoss(ConfigSizes, nn.Module):
+    """The tokenizer and its discriminator, trained together by one loss (see the module's docstring); the
+    tokenizer's sizes (`cfg` is its config)."""
 
     def __init__(self, cfg: VQTokenizerConfig, loss: VQGANLossConfig):
         super().__init__()
+        self.cfg = cfg
         self.tokenizer = VQTokenizer(cfg)
         self.discriminator = PatchDiscriminator(cfg.channels, loss.disc_hidden_dim, loss.disc_layers)
         self.loss_cfg = loss
-
-    @property
-    def num_tokens(self) -> int:
-        return self.tokenizer.num_tokens
-
-    @property
-    def fmap_size(self) -> int:
-        return self.tokenizer.fmap_size
 
     def reconstruct(self, images: torch.Tensor) -> torch.Tensor:
         return self.tokenizer.reconstruct(images)

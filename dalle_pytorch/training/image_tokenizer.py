@@ -15,7 +15,6 @@ from distributed import topology_from_env
 from ..data.tokenized import PrecomputedTokens, precompute_tokens
 from ..files import atomic_save, safe_load
 from ..inference.image_tokenizers import load_image_tokenizer as chosen_tokenizer
-from ..inference.image_tokenizers import tokenizer_fingerprint, tokenizer_flag  # noqa: F401 - the trainers' names
 from ..inference.load import read_dalle
 
 

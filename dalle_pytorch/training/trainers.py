@@ -15,6 +15,7 @@ from ..data.samples import CODES_KEY
 from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
+from ..inference.image_tokenizers import tokenizer_fingerprint, tokenizer_flag
 from ..models.clip import CLIP, CLIPConfig
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
@@ -24,14 +25,7 @@ from .configs import CLIPRunConfig, DALLERunConfig, TrainConfig, VAERunConfig, V
 from .dalle_task import DALLETask
 from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
-from .image_tokenizer import (
-    check_same_tokenizer,
-    load_image_tokenizer,
-    precomputed,
-    start_of,
-    tokenizer_fingerprint,
-    tokenizer_flag,
-)
+from .image_tokenizer import check_same_tokenizer, load_image_tokenizer, precomputed, start_of
 from .loop import train
 from .run_dir import RunDir
 from .session import shared_text_tokenizer, training_session
@@ -101,7 +95,7 @@ def check_tokenizer_flags(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGAN
         return [n for n in names if getattr(obj, n) != defaults[n]]
 
     if vq.model == "vqgan":
-        for obj, names in zip((model_cfg, run_cfg), (names for _, names in DVAE_ONLY)):
+        for obj, (_, names) in zip((model_cfg, run_cfg), DVAE_ONLY):
             for name in changed(obj, names):
                 raise ValueError(f"--{name} is a dVAE flag: --model vqgan does not read it (see --help, --model vqgan)")
     else:

@@ -176,7 +176,8 @@ FLAGS = dict(vae_path="", taming=False, openai_vae_path="", vqgan_model_path="",
 
 
 def test_a_bare_taming_loads_the_default_vqgan(pretrained_server):
-    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer, tokenizer_flag
+    from dalle_pytorch.inference.image_tokenizers import tokenizer_flag
+    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer
 
     flags = {**FLAGS, "taming": True, "pretrained_image_size": 0}
     vae, record, fingerprint = load_image_tokenizer(flags)
