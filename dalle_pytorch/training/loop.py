@@ -126,9 +126,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             with clock.own():
                 hooks.before_step(pos.step)
             for micro in range(accum):
-                t0 = time.perf_counter()
-                raw = next(data)
-                clock.waited(time.perf_counter() - t0)
+                with clock.waiting():
+                    raw = next(data)
                 with clock.own():
                     batch = task.prepare_batch(raw, backend.device)
                 with backend.accumulate(model, sync=micro == accum - 1):

@@ -11,8 +11,11 @@ computes slowly. The forward and loss are timed less their collectives: the span
 wrapper to the start of the user's module's forward (DDP broadcasts the module's buffers there at every forward; FSDP
 and ZeRO-3 gather the root's parameters), and the time in the gathering pre-hooks of FSDP's blocks and ZeRO-3's
 modules (`Backend.forward_watch`). Without that, a fast rank's forward holds its wait for the slow one, and both
-ranks show the same own time. What it cannot see: a rank slow only in its backward pass or optimizer step (the
-backward overlaps the gradient reduction on every backend, so its time holds the wait for the others), in a
+ranks show the same own time. A rank starved of CPU (another job on its host) is slowed in its backward and
+optimizer step too, which the clock cannot time (the backward overlaps the gradient reduction on every backend, so
+its time holds the wait for the others): the time its loop's thread waited on the run queue outside the timed spans
+is added to its own time, since a thread ready to run is waiting for a CPU, never for another rank (a rank waiting
+in a collective sleeps). What it cannot see: a rank slow in its backward's compute alone (a throttled device), in a
 checkpoint write, or in validation and sampling (collective sections).
 """
 
@@ -48,26 +51,38 @@ class RankClock:
         self.device = device
         self.cuda = device.type == "cuda"
         self._timing = False  # inside the loop's forward()
-        self._entry = self._gather = None  # the model's call, a gathering hook: started at (host seconds or event)
+        self._entry = self._gather = None  # the model's call, a gathering hook: started at (host seconds or event,
+        # run-queue seconds)
+        self.queue = RunQueue()
         self.reset()
 
     def reset(self) -> None:
-        self.t0, self.cpu0, self.queued0 = time.perf_counter(), time.process_time(), _run_queue_s()
+        self.queue.follow()  # the thread that runs the loop (under Ray not the main one)
+        self.t0, self.cpu0, self.queued0 = time.perf_counter(), time.process_time(), self.queue.seconds()
         self.wait = 0.0  # seconds in next(data)
         self.host = 0.0  # seconds of own work on the host (hooks, batches; the forward off CUDA)
         self.spans: list[tuple] = []  # CUDA: (start, end, sign) events: + a forward, - a collective inside it
+        self.queued_timed = 0.0  # run-queue seconds inside the timed spans (already in wait, host or spans)
 
-    def waited(self, seconds: float) -> None:
-        self.wait += seconds
+    @contextmanager
+    def waiting(self):
+        """The wait for the next batch."""
+        t0, q0 = time.perf_counter(), self.queue.seconds()
+        try:
+            yield
+        finally:
+            self.wait += time.perf_counter() - t0
+            self.queued_timed += self.queue.seconds() - q0
 
     @contextmanager
     def own(self):
         """Work of this rank alone (a hook, preparing a batch), timed by the host."""
-        t0 = time.perf_counter()
+        t0, q0 = time.perf_counter(), self.queue.seconds()
         try:
             yield
         finally:
             self.host += time.perf_counter() - t0
+            self.queued_timed += self.queue.seconds() - q0
 
     @contextmanager
     def watching(self, model: torch.nn.Module, module: torch.nn.Module, gathering: list[torch.nn.Module] = ()):
@@ -96,7 +111,7 @@ class RankClock:
     @contextmanager
     def forward(self):
         """The loop's forward and loss, less what the watched hooks find collective in it."""
-        start = self._now()
+        start = self._start()
         self._timing, self._entry = True, None
         try:
             yield
@@ -111,9 +126,14 @@ class RankClock:
         event.record()
         return event
 
-    def _span(self, start, sign: int) -> None:
-        """`sign` x the time from `start` to now: + the forward, - a collective inside it."""
+    def _start(self) -> tuple:
+        return self._now(), self.queue.seconds()
+
+    def _span(self, start: tuple, sign: int) -> None:
+        """`sign` x the time from `start` (_start) to now: + the forward, - a collective inside it."""
+        start, queued = start
         end = self._now()
+        self.queued_timed += sign * (self.queue.seconds() - queued)
         if self.cuda:
             self.spans.append((start, end, sign))
         else:
@@ -123,7 +143,7 @@ class RankClock:
     @torch.compiler.disable
     def _call_starts(self, module, args):
         if self._timing and self._entry is None:
-            self._entry = self._now()
+            self._entry = self._start()
 
     @torch.compiler.disable
     def _forward_starts(self, module, args):
@@ -134,7 +154,7 @@ class RankClock:
     @torch.compiler.disable
     def _gather_starts(self, module, args):
         if self._timing:
-            self._gather = self._now()
+            self._gather = self._start()
 
     @torch.compiler.disable
     def _gather_ends(self, module, args):
@@ -149,12 +169,15 @@ class RankClock:
         if self.spans:
             self.spans[-1][1].synchronize()  # the log step's all-reduce waits for the device anyway
             device_s = sum(sign * s.elapsed_time(e) for s, e, sign in self.spans) / 1000
+        queued = self.queue.seconds() - self.queued0
+        starved = queued - self.queued_timed  # waiting for a CPU in the backward, the optimizer step, a collective
+        starved = max(starved, 0.0) if math.isfinite(starved) else 0.0
         row = {
             "step_ms": 1000 * elapsed / steps,
-            "own_ms": 1000 * (self.wait + self.host + device_s) / steps,
+            "own_ms": 1000 * (self.wait + self.host + device_s + starved) / steps,
             "data_wait_share": self.wait / elapsed,
             "cpu_percent": 100 * (time.process_time() - self.cpu0) / elapsed,  # of one core, all threads
-            "cpu_wait_ms": 1000 * (_run_queue_s() - self.queued0) / steps,  # the loop's thread, ready but not run
+            "cpu_wait_ms": 1000 * queued / steps,  # the loop's thread, ready but not run
             "rss_mb": _rss_mb(),
             "peak_memory_mb": peak_memory_mb(self.device),
         }
@@ -172,14 +195,36 @@ def _rss_mb() -> float:
         return float("nan")
 
 
-def _run_queue_s() -> float:
-    """Seconds the calling thread has waited, ready to run, for a CPU that other threads held (Linux's schedstat:
-    on-CPU ns, run-queue ns, timeslices); NaN elsewhere. The loop's thread: under Ray the loop is not the main one."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return float("nan")
+class RunQueue:
+    """Seconds a thread has waited, ready to run, for a CPU that other threads held (Linux's schedstat: on-CPU ns,
+    run-queue ns, timeslices); NaN elsewhere. The file is kept open and read again at offset 0 (about 1 us; opening
+    it costs 12), for the thread that last called `follow`."""
+
+    def __init__(self):
+        self.fd = None
+
+    def follow(self) -> None:
+        self.close()
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+
+    def seconds(self) -> float:
+        if self.fd is None:
+            return math.nan
+        try:
+            return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return math.nan
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self):
+        self.close()
 
 
 def _gpu_utilisation(device: torch.device) -> float:

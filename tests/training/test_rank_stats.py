@@ -7,6 +7,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -112,6 +114,40 @@ def test_the_clock_leaves_the_wrappers_and_the_gathering_hooks_waits_out_of_the_
     with clock.forward():  # unwatched: the whole forward is the rank's
         model(torch.ones(2, 4))
     assert clock.figures(1)[1]["own_ms"] > 170
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(1000))
+
+
+def test_a_thread_starved_of_cpu_outside_the_timed_spans_counts_that_wait_as_its_own_and_once():
+    """Another process on this thread's core: the run-queue wait outside the clock's spans (as in a backward, which
+    the clock cannot time) is added to the rank's own time; the wait inside a span is in its time already."""
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("Linux's schedstat is needed")
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    os.sched_setaffinity(0, {core})
+    hog = subprocess.Popen(
+        [sys.executable, "-c", "while True: sum(range(100000))"], preexec_fn=lambda: os.sched_setaffinity(0, {core})
+    )
+    try:
+        time.sleep(0.2)  # the hog running
+        clock = RankClock(torch.device("cpu"))
+        with clock.own():
+            _busy(0.3)  # 0.3 s of wall time, of which it waited about half for the CPU
+        _busy(0.3)  # outside every span: only its run-queue wait (about half) counts
+        elapsed, row = clock.figures(1)
+    finally:
+        hog.kill()
+        hog.wait()
+        os.sched_setaffinity(0, before)
+    outside = row["own_ms"] - 300  # the own span's wall time
+    assert row["cpu_wait_ms"] > 150, row  # the hog held the core
+    # the wait outside counted (without it: about 0), and the wait inside the span not again (twice: about cpu_wait)
+    assert 50 < outside < row["cpu_wait_ms"] - 50 and row["own_ms"] < 1000 * elapsed, row
 
 
 class SlowData(torch.utils.data.Dataset):
