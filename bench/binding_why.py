@@ -40,7 +40,9 @@ def load_binding(path: str):
 def training_set(b, data: str) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """(images float (n, 32*32*3), (digit, ink, ground) of each), read from the captions' first template."""
     images, labels = [], []
-    first = re.compile(r"the digit (\w+) in (\w+) on a (\w+) background|a (\w+) (\w+) on (\w+)$|(\w+) (\w+), (\w+) ground")
+    first = re.compile(
+        r"the digit (\w+) in (\w+) on a (\w+) background|a (\w+) (\w+) on (\w+)$|(\w+) (\w+), (\w+) ground"
+    )
     folder = os.path.join(data, "train")
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".png"):
