@@ -64,24 +64,23 @@ class RankClock:
         self.spans: list[tuple] = []  # CUDA: (start, end, sign) events: + a forward, - a collective inside it
         self.queued_timed = 0.0  # run-queue seconds inside the timed spans (already in wait, host or spans)
 
-    @contextmanager
     def waiting(self):
         """The wait for the next batch."""
-        t0, q0 = time.perf_counter(), self.queue.seconds()
-        try:
-            yield
-        finally:
-            self.wait += time.perf_counter() - t0
-            self.queued_timed += self.queue.seconds() - q0
+        return self._timed("wait")
 
-    @contextmanager
     def own(self):
         """Work of this rank alone (a hook, preparing a batch), timed by the host."""
+        return self._timed("host")
+
+    @contextmanager
+    def _timed(self, bucket: str):
+        """The host's time in the context added to `bucket` (wait or host), and its run-queue time to what the
+        timed spans hold."""
         t0, q0 = time.perf_counter(), self.queue.seconds()
         try:
             yield
         finally:
-            self.host += time.perf_counter() - t0
+            setattr(self, bucket, getattr(self, bucket) + time.perf_counter() - t0)
             self.queued_timed += self.queue.seconds() - q0
 
     @contextmanager
