@@ -29,42 +29,32 @@ common=(--output_dir "$runs" --seed "$seed" --threads 1 --num_workers 0 --quiet)
 VAE_FROM=${VAE_FROM:-${DALLE_FROM:-}}
 now() { date +%s.%N; }
 took() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)" > "$out/$2_s"; }
-# each stage's training time goes to OUT_DIR/<stage>_s; a stage reused from an earlier OUT_DIR (ablations of the
-# later stages) takes that run's file with its model
-reuse() { cp "$1/$2_s" "$out/$2_s"; }
-t=$(now)
-if [ -n "${VAE_FROM:-}" ]; then
-    vae=$VAE_FROM/runs/vae/vae.safetensors
-    reuse "$VAE_FROM" vae
-else
-    vae=$runs/vae/vae.safetensors
-    # shellcheck disable=SC2086  # the *_FLAGS are word lists
-    "$py" "$here/train_vae.py" --config "$recipe/vae.yaml" --image_folder "$data/train" "${common[@]}" ${VAE_FLAGS:-}
-    took "$t" vae
-fi
-t=$(now)
-if [ -n "${DALLE_FROM:-}" ]; then
-    dalle=$DALLE_FROM/runs/dalle/dalle.safetensors
-    reuse "$DALLE_FROM" dalle
-else
-    dalle=$runs/dalle/dalle.safetensors
-    # shellcheck disable=SC2086
-    "$py" "$here/train_dalle.py" --config "$recipe/dalle.yaml" --vae_path "$vae" \
-        --image_text_folder "$data/train" "${common[@]}" ${DALLE_FLAGS:-}
-    took "$t" dalle
-fi
-t=$(now)
+# stage NAME FROM SCRIPT FLAG...: train NAME with SCRIPT and the recipe's NAME.yaml, its training time in
+# OUT_DIR/NAME_s; or with FROM (an earlier OUT_DIR: ablations of the later stages) take that run's model and time.
+# Prints the model's path (the script's own output goes to stderr).
+stage() {
+    local name=$1 from=$2 script=$3 t
+    shift 3
+    if [ -n "$from" ]; then
+        cp "$from/${name}_s" "$out/${name}_s"
+        echo "$from/runs/$name/$name.safetensors"
+        return
+    fi
+    t=$(now)
+    "$py" "$here/$script" --config "$recipe/$name.yaml" "${common[@]}" "$@" >&2
+    took "$t" "$name"
+    echo "$runs/$name/$name.safetensors"
+}
+# shellcheck disable=SC2086  # the *_FLAGS are word lists
+vae=$(stage vae "${VAE_FROM:-}" train_vae.py --image_folder "$data/train" ${VAE_FLAGS:-})
+# shellcheck disable=SC2086
+dalle=$(stage dalle "${DALLE_FROM:-}" train_dalle.py --vae_path "$vae" --image_text_folder "$data/train" ${DALLE_FLAGS:-})
 rerank=()
 echo 0 > "$out/clip_s"
-if [ -n "${CLIP_FROM:-}" ]; then
-    rerank=(--clip_path "$CLIP_FROM/runs/clip/clip.safetensors")
-    reuse "$CLIP_FROM" clip
-elif [ -f "$recipe/clip.yaml" ]; then
+if [ -n "${CLIP_FROM:-}" ] || [ -f "$recipe/clip.yaml" ]; then
     # shellcheck disable=SC2086
-    "$py" "$here/train_clip.py" --config "$recipe/clip.yaml" --dalle_path "$dalle" \
-        --image_text_folder "$data/train" "${common[@]}" ${CLIP_FLAGS:-}
-    rerank=(--clip_path "$runs/clip/clip.safetensors")
-    took "$t" clip
+    clip=$(stage clip "${CLIP_FROM:-}" train_clip.py --dalle_path "$dalle" --image_text_folder "$data/train" ${CLIP_FLAGS:-})
+    rerank=(--clip_path "$clip")
 fi
 t=$(now)
 for split in heldout seen; do
