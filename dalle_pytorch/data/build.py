@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .shards import RETRIES
 from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
 
 
@@ -25,11 +24,11 @@ def build_dataset(
     seed: int,
     dataset_size: int,
     folder_flag: str,
-    shard_retries: int = RETRIES,
-    max_bad_shards: int = -1,
+    stream=None,
 ):
     """(image, caption) samples: WebDataset shards (`wds` names the keys, `folder` holds the URLs), an image or
-    caption folder, or the built-in synthetic set when no folder is given. `captions`: pairs are needed (DALLE)."""
+    caption folder, or the built-in synthetic set when no folder is given. `captions`: pairs are needed (DALLE).
+    `stream`: how shards are read (wds.StreamOptions)."""
     if wds:
         from .wds import WebDatasetPairs
 
@@ -38,9 +37,7 @@ def build_dataset(
         if captions and "," not in wds:
             raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {wds!r})")
         keys = wds if captions else wds.split(",")[0]
-        return WebDatasetPairs(
-            folder, keys, image_size, channels, resize_ratio, rank, world_size, seed, shard_retries, max_bad_shards
-        )
+        return WebDatasetPairs(folder, keys, image_size, channels, resize_ratio, rank, world_size, seed, stream)
     if folder:
         from .folders import CaptionFolder, ImageFolder
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ..files import atomic_write_json
-from .shards import ShardError, fetch, open_shard
+from . import storage
+from .shards import ShardError, open_shard
 
 UNREADABLE = -1
 _MISSING = -2  # not in the index yet
@@ -25,19 +23,26 @@ VERSION = 1
 
 
 def read_index(path: str) -> dict[str, int]:
-    if not path or not os.path.exists(path):
+    """The index at `path` (a file or an object store URL); {} where there is none yet."""
+    if not path or not storage.exists(path):
         return {}
     try:
-        with open(path) as f:
-            index = json.load(f)
+        index = json.loads(storage.read_bytes(path))
         return {str(k): int(v) for k, v in index["samples"].items()}
+    except ShardError as e:
+        raise ValueError(f"the shard index {path} cannot be read: {e.why}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a shard index ({type(e).__name__}: {e}): delete it to count again") from None
 
 
 def write_index(path: str, counts: dict[str, int]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write_json({"version": VERSION, "samples": counts}, path, indent=0, sort_keys=True)
+    if storage.scheme(path) == "local":
+        os.makedirs(os.path.dirname(os.path.abspath(storage.local_path(path))), exist_ok=True)
+    data = json.dumps({"version": VERSION, "samples": counts}, indent=0, sort_keys=True).encode()
+    try:
+        storage.write_bytes(path, data)
+    except ShardError as e:
+        raise ValueError(f"the shard index cannot be written to {path}: {e.why}") from None
 
 
 def count_shards(
@@ -49,6 +54,7 @@ def count_shards(
     retries: int,
     say: Callable[[str], None],
     threads: int = 8,
+    cache=None,
 ) -> list[int]:
     """Samples per shard of `urls` (UNREADABLE where it could not be read), the same on every rank.
 
@@ -65,7 +71,7 @@ def count_shards(
     counted, truncated = [0] * len(urls), [0] * len(urls)
     if mine:
         with ThreadPoolExecutor(min(threads, len(mine))) as pool:
-            for i, (n, cut) in zip(mine, pool.map(lambda i: _count(urls[i], retries, say), mine)):
+            for i, (n, cut) in zip(mine, pool.map(lambda i: _count(urls[i], retries, say, cache), mine)):
                 counted[i], truncated[i] = n, int(cut)
     if add_up is not None:
         both = add_up(counted + truncated)
@@ -80,13 +86,13 @@ def count_shards(
     return counts
 
 
-def _count(url: str, retries: int, say: Callable[[str], None]) -> tuple[int, bool]:
+def _count(url: str, retries: int, say: Callable[[str], None], cache=None) -> tuple[int, bool]:
     """(samples, whether the shard is truncated); UNREADABLE samples for a shard that cannot be read at all."""
     stats = _stats_count(url)
     if stats is not None:
         return stats, False
     try:
-        shard = open_shard(url, retries)
+        shard = open_shard(url, retries, cache=cache)  # fetched into the cache: the first epoch reads it there
     except ShardError as e:  # whatever the damage: this rank must still reach the collective
         say(f"warning: shard {e.url} is unreadable: {e.why}; it is left out")
         return UNREADABLE, False
@@ -104,15 +110,9 @@ def _stats_count(url: str) -> int | None:
         return None
     stats_url = url[: -len(".tar")] + "_stats.json"
     try:
-        if "://" in stats_url and not stats_url.startswith("file://"):
-            raw = fetch(stats_url, retries=1, backoff=0.2)
-        else:
-            path = stats_url.removeprefix("file://")
-            if not os.path.exists(path):
-                return None
-            with open(path, "rb") as f:
-                raw = f.read()
-        n = json.loads(raw)["successes"]
-    except (ShardError, urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+        if storage.scheme(stats_url) == "local" and not storage.exists(stats_url):
+            return None
+        n = json.loads(storage.read_bytes(stats_url, retries=1, backoff=0.2))["successes"]
+    except (ShardError, ValueError, KeyError, TypeError):
         return None
     return n if isinstance(n, int) and n >= 0 else None

@@ -1,10 +1,11 @@
 """Where each sample of a streamed epoch goes, by arithmetic on the shards' sample counts (as MosaicML Streaming
 and webdataset's wids do), so that a resumed run skips what it has trained on without reading it.
 
-The epoch's order is a pure function of (seed, epoch, the counts): the shards in a seeded order, each shard's
-samples in a seeded permutation of their own, all of it one sequence G of N (shard, sample) items. A *plan* is a
-list of ranges of G (the whole of G when an epoch starts) cut into S = ranks x workers equal streams of whole
-batches; stream s = rank * workers + worker reads its part in order, one shard at a time. The DataLoader takes a
+The epoch's order is a pure function of (seed, epoch, the counts, the shuffle block): the shards in a seeded
+order, grouped into blocks of whole shards, each block's samples in a seeded permutation across its shards, all
+of it one sequence G of N (shard, sample) items. A *plan* is a list of ranges of G (the whole of G when an epoch
+starts) cut into S = ranks x workers equal streams of whole batches; stream s = rank * workers + worker reads its
+part in order, with the shards of the block it is in open together. The DataLoader takes a
 rank's batches from its workers in turn, so after C batches on every rank, worker w has given
 `worker_batches(C, w, W)` of them: the position is one number, and the rest of every stream is known exactly.
 
@@ -17,49 +18,76 @@ the last cut dropped) becomes the new plan's ranges: every sample of the epoch i
 from __future__ import annotations
 
 import bisect
+import hashlib
 import random
 from collections.abc import Iterator
+
+import numpy as np
 
 Ranges = list[tuple[int, int]]  # half-open ranges of G
 
 
 class EpochOrder:
-    """G for one epoch: item k -> (shard, sample in shard), without materializing the N items."""
+    """G for one epoch: item k -> (shard, sample in shard), without materializing the N items.
 
-    def __init__(self, counts: list[int], seed: int, epoch: int):
-        self.counts, self.seed, self.epoch = counts, seed, epoch
+    The shards in a seeded order are grouped into *shuffle blocks* of at least `block` samples (whole shards, in
+    that order), and each block's samples are one seeded permutation of all of them, so that any run of items
+    (a stream's batch) is drawn across the block's shards, as MosaicML Streaming's py1b shuffle does: shards
+    written in source order (sorted by class, crawl date, source) still give mixed batches. `block` <= 1: every
+    shard is its own block (one shard at a time, the order of the first streamed runs)."""
+
+    def __init__(self, counts: list[int], seed: int, epoch: int, block: int = 1):
+        self.counts, self.seed, self.epoch, self.block = counts, seed, epoch, block
         shards = [i for i, n in enumerate(counts) if n > 0]
         random.Random(f"shards/{seed}/{epoch}").shuffle(shards)
         self.shards = shards
-        self.starts = [0]
+        self.blocks: list[list[int]] = []  # the shards of each block
+        self.starts = [0]  # where each block starts in G
         for i in shards:
-            self.starts.append(self.starts[-1] + counts[i])
-        self._perm: tuple[int, list[int]] | None = None
+            if not self.blocks or self.starts[-1] - self.starts[-2] >= max(block, 1):
+                self.blocks.append([])
+                self.starts.append(self.starts[-1])
+            self.blocks[-1].append(i)
+            self.starts[-1] += counts[i]
+        self._perm: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def total(self) -> int:
         return self.starts[-1]
 
-    def permutation(self, shard: int) -> list[int]:
-        """The order of one shard's samples in this epoch (the last one asked for is kept)."""
-        if self._perm is None or self._perm[0] != shard:
-            order = list(range(self.counts[shard]))
-            random.Random(f"samples/{self.seed}/{self.epoch}/{shard}").shuffle(order)
-            self._perm = (shard, order)
-        return self._perm[1]
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(order, shard starts, shards) of block b: order[p] is the block's p-th item in the concatenation of
+        its shards' samples (the last block asked for is kept)."""
+        if self._perm is None or self._perm[0] != b:
+            shards = self.blocks[b]
+            sizes = [self.counts[i] for i in shards]
+            digest = hashlib.sha256(f"samples/{self.seed}/{self.epoch}/{shards[0]}".encode()).digest()
+            # RandomState: numpy keeps its streams fixed across versions (Generator's may change), so a run
+            # resumed under another numpy reads the same order
+            order = np.random.RandomState(int.from_bytes(digest[:4], "little")).permutation(sum(sizes))
+            self._perm = (b, order, np.cumsum([0, *sizes]), np.array(shards))
+        return self._perm[1:]
 
-    def items(self, ranges: Ranges) -> Iterator[tuple[int, int]]:
-        """(shard, sample) of every item in `ranges`, in order."""
+    def block_of(self, k: int) -> int:
+        return bisect.bisect_right(self.starts, k) - 1
+
+    def pieces(self, ranges: Ranges) -> Iterator[tuple[int, int, int]]:
+        """(block, start, stop): `ranges` cut where blocks end."""
         for start, end in ranges:
             k = start
             while k < end:
-                j = bisect.bisect_right(self.starts, k) - 1
-                shard = self.shards[j]
-                stop = min(end, self.starts[j + 1])
-                perm = self.permutation(shard)
-                for offset in range(k - self.starts[j], stop - self.starts[j]):
-                    yield shard, perm[offset]
+                b = self.block_of(k)
+                stop = min(end, self.starts[b + 1])
+                yield b, k, stop
                 k = stop
+
+    def items(self, ranges: Ranges) -> Iterator[tuple[int, int]]:
+        """(shard, sample) of every item in `ranges`, in order."""
+        for b, start, stop in self.pieces(ranges):
+            order, shard_starts, shards = self._block(b)
+            picked = order[start - self.starts[b] : stop - self.starts[b]]
+            where = np.searchsorted(shard_starts, picked, side="right") - 1
+            yield from zip(shards[where].tolist(), (picked - shard_starts[where]).tolist())
 
 
 def length(ranges: Ranges) -> int:

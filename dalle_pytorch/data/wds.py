@@ -1,10 +1,12 @@
 """WebDataset tar shards streamed to every rank and DataLoader worker: `--wds img,cap` with shard URLs.
 
-Local paths, brace patterns (`shards/{000..099}.tar`), folders of shards, `pipe:` commands and http(s) URLs are
-accepted. The samples of each shard are counted once (shard_index.py), so that each epoch's order and each
-rank's and worker's part of it are arithmetic (shard_plan.py): a resumed run starts at its next unseen sample
-without reading what it skips, at the same or another world size. A sample's augmentation and caption choice
-are seeded by (seed, epoch, shard, sample), so it comes out the same whichever worker reads it.
+Local paths, brace patterns (`shards/{000..099}.tar`), folders of shards, `pipe:` commands, http(s) URLs and
+object stores (s3://, gs://: storage.py) are accepted. The samples of each shard are counted once
+(shard_index.py), so that each epoch's order and each rank's and worker's part of it are arithmetic
+(shard_plan.py): a resumed run starts at its next unseen sample without reading what it skips, at the same or
+another world size. Batches are drawn across a shuffle block of shards read together; shards from elsewhere are
+fetched ahead into a disk cache (shard_cache.py). A sample's augmentation and caption choice are seeded by
+(seed, epoch, shard, sample), so it comes out the same whichever worker reads it.
 
 Nothing is lost silently: an unreadable sample yields None (its batch takes another of its samples twice),
 counted by reason and said in a warning; a shard that cannot be read at all is named, and more than
@@ -27,8 +29,10 @@ from webdataset.shardlists import expand_urls
 from . import shard_plan
 from .folders import image_transform
 from .samples import Skip, caption_lines, image_of
+from .shard_cache import Prefetcher, ShardCache, default_folder
 from .shard_index import UNREADABLE, count_shards
 from .shards import RETRIES, ShardError, open_shard
+from .storage import BACKOFF_S, list_shards, scheme
 
 REASONS = ("unreadable_shard", "missing_from_shard", "missing_key", "bad_image", "bad_caption")
 WARNINGS_PER_REASON = 5  # per process; the rest are counted (the run's metrics) but not shown
@@ -36,6 +40,21 @@ WARNINGS_PER_REASON = 5  # per process; the rest are counted (the run's metrics)
 
 class DataError(ValueError):
     """Raised in the training process for what a DataLoader worker found (the worker yields it as an item)."""
+
+
+SHUFFLE_BLOCK = 1 << 18  # samples: MosaicML Streaming's smallest default shuffle block
+
+
+@dataclass
+class StreamOptions:
+    """How shards are read (the run's --shard_* and --shuffle_block flags)."""
+
+    retries: int = RETRIES
+    max_bad_shards: int = -1  # -1: 1 in 100 of the shards
+    shuffle_block: int = SHUFFLE_BLOCK  # samples drawn together across whole shards; 1: one shard at a time
+    cache: str = ""  # the folder remote shards are kept in ("": a folder under the system's temporary one)
+    cache_gb: float = 20.0
+    fetchers: int = 4  # concurrent fetches ahead, per DataLoader worker
 
 
 @dataclass
@@ -62,8 +81,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
-        retries: int = RETRIES,
-        max_bad_shards: int = -1,
+        options: StreamOptions | None = None,
     ):
         image_key, _, caption_key = keys.partition(",")
         if not image_key:
@@ -74,8 +92,11 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         self.image_key, self.caption_key = image_key.lower(), caption_key.lower()
         self.transform = image_transform(image_size, resize_ratio)
         self.mode = "RGBA" if channels == 4 else "RGB"
-        self.rank, self.world_size, self.seed, self.retries = rank, world_size, seed, retries
-        self.max_bad_shards = max_bad_shards if max_bad_shards >= 0 else len(self.shards) // 100
+        self.options = options = options or StreamOptions()
+        self.rank, self.world_size, self.seed, self.retries = rank, world_size, seed, options.retries
+        self.max_bad_shards = options.max_bad_shards if options.max_bad_shards >= 0 else len(self.shards) // 100
+        self.remote = any(scheme(u) != "local" for u in self.shards)
+        self._cache: ShardCache | None = None
         self.counts: list[int] | None = None
         self.plan: Plan | None = None
         fork = multiprocessing.get_context("fork")
@@ -86,7 +107,9 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------------ the index
     def count(self, index_path: str = "", add_up=None, say=print) -> None:
         """Count the samples of every shard (kept in `index_path`); `add_up`: the sum over ranks, a collective."""
-        self.counts = count_shards(self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say)
+        self.counts = count_shards(
+            self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say, cache=self.cache
+        )
         bad = [u for u, n in zip(self.shards, self.counts) if n == UNREADABLE]
         for i, n in enumerate(self.counts):  # every rank knows them: they count towards the limit everywhere
             self._bad[i] = int(n == UNREADABLE)
@@ -99,9 +122,17 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
 
     @property
     def order_id(self) -> str:
-        """What the epochs' order depends on (the seed and the shards' counts), as a short digest: a plan saved for
-        another order cannot be continued (shards moved elsewhere with their counts can)."""
-        return hashlib.sha1(json.dumps([self.seed, self._counts()]).encode()).hexdigest()[:16]
+        """What the epochs' order depends on (the seed, the shards' counts, the shuffle block), as a short digest: a
+        plan saved for another order cannot be continued (shards moved elsewhere with their counts can)."""
+        key = [self.seed, self._counts()] + ([self.options.shuffle_block] if self.options.shuffle_block > 1 else [])
+        return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """The disk cache of shards fetched from elsewhere (None when every shard is a local file)."""
+        if self._cache is None and self.remote:
+            self._cache = ShardCache(self.options.cache or default_folder(), self.options.cache_gb)
+        return self._cache
 
     def _counts(self) -> list[int]:
         if self.counts is None:
@@ -124,36 +155,55 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             plan.ranges, self.rank * workers + role, streams, plan.batch,
             shard_plan.worker_batches(plan.consumed, role, workers),
         )  # fmt: skip
-        order = shard_plan.EpochOrder(self._counts(), self.seed, plan.epoch)
-        shard, current = None, -1
+        order = shard_plan.EpochOrder(self._counts(), self.seed, plan.epoch, self.options.shuffle_block)
+        pieces = list(order.pieces(mine))
+        blocks = [b for k, (b, _, _) in enumerate(pieces) if k == 0 or pieces[k - 1][0] != b]
+        fetch = None
+        if self.cache is not None:
+            remote = [[self.shards[i] for i in order.blocks[b] if scheme(self.shards[i]) != "local"] for b in blocks]
+            fetch = Prefetcher(self.cache, remote, self.options.fetchers)
+        open_: dict[int, object] = {}  # the current block's shards: a Shard, or None (unreadable)
+        entered = -1
         try:
-            for i, j in order.items(mine):
-                if i != current:
-                    if shard is not None:
-                        shard.close()
-                    current, shard = i, self._open(i)
-                    if isinstance(shard, DataError):  # a whole batch of it: drop_last never drops it
-                        for _ in range(plan.batch):
-                            yield shard
-                        return
-                if shard is None:
-                    yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
-                elif j >= len(shard):
-                    yield self._skip(
-                        "missing_from_shard", f"{shard.url}: no sample {j} (the shard changed since it was counted)"
-                    )
-                else:
-                    yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
+            for b, start, stop in pieces:
+                if entered < 0 or blocks[entered] != b:
+                    entered += 1
+                    for shard in open_.values():
+                        if shard is not None:
+                            shard.close()
+                    open_.clear()
+                    if fetch is not None:
+                        fetch.enter(entered, self.retries, BACKOFF_S)
+                for i, j in order.items([(start, stop)]):
+                    if i not in open_:
+                        shard = self._open(i, fetch)
+                        if isinstance(shard, DataError):  # a whole batch of it: drop_last never drops it
+                            for _ in range(plan.batch):
+                                yield shard
+                            return
+                        open_[i] = shard
+                    shard = open_[i]
+                    if shard is None:
+                        yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
+                    elif j >= len(shard):
+                        yield self._skip(
+                            "missing_from_shard", f"{shard.url}: no sample {j} (the shard changed since it was counted)"
+                        )
+                    else:
+                        yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
         finally:
-            if shard is not None and not isinstance(shard, DataError):
-                shard.close()
+            for shard in open_.values():
+                if shard is not None:
+                    shard.close()
+            if fetch is not None:
+                fetch.close()
 
-    def _open(self, i: int):
+    def _open(self, i: int, cache=None):
         """Shard i, or None when it cannot be read, or the DataError that stops the run. A shard unreadable, or
         holding another number of samples than its index says (changed since it was counted), is said and counts
         towards --max_bad_shards; of a changed one, the samples its index has room for are still read."""
         try:
-            shard = open_shard(self.shards[i], self.retries)
+            shard = open_shard(self.shards[i], self.retries, cache=cache)
         except ShardError as e:  # whatever the damage: said, counted, never a crash
             return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped")
         if len(shard) != self._counts()[i]:
@@ -219,7 +269,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             if n <= 0:
                 continue
             try:
-                shard = open_shard(url, self.retries)
+                shard = open_shard(url, self.retries, cache=self.cache)
             except ShardError as e:
                 warnings.warn(f"shard {e.url} is unreadable: {e.why}; its captions are skipped", stacklevel=2)
                 continue
@@ -250,7 +300,13 @@ def _too_many(bad: int, total: int, allowed: int, example: str) -> str:
 
 def shard_urls(urls: str) -> list[str]:
     """Brace patterns, URLs and `pipe:` commands as webdataset expands them; a folder: the shards under it,
-    found recursively (as lucidrains' DALLE-pytorch took `--image_text_folder SHARD_FOLDER`)."""
+    found recursively (as lucidrains' DALLE-pytorch took `--image_text_folder SHARD_FOLDER`), in an object store
+    too (s3://bucket/shards/)."""
+    if scheme(urls) == "fsspec" and urls.endswith("/"):
+        found = list_shards(urls)
+        if not found:
+            raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
+        return found
     if os.path.isdir(urls):
         found = sorted(
             os.path.join(d, f)

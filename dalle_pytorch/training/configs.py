@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from distributed import BACKENDS, StepOptions
 
 from ..config import flag
-from ..data.shards import RETRIES
+from ..data.storage import RETRIES
+from ..data.wds import SHUFFLE_BLOCK, StreamOptions
 from .ema import check_decay
 from .mlflow_log import DEFAULT_URI as DEFAULT_MLFLOW_URI
 
@@ -34,6 +35,19 @@ class TrainConfig:
     max_bad_shards: int = flag(
         -1, "the run stops when more --wds shards than this cannot be read (-1: 1 in 100 of the shards)"
     )
+    shuffle_block: int = flag(
+        SHUFFLE_BLOCK,
+        "--wds: samples shuffled together across whole shards, so that a batch mixes many shards (MosaicML's "
+        "py1b); every shard of a block is read (fetched) from the block's first item on; 1: one shard at a time",
+    )
+    shard_cache: str = flag(
+        "",
+        "--wds shards from http(s), s3://, gs:// or pipe: are fetched ahead into this folder and read there, the "
+        "least recently used evicted (default: dalle-shards-UID under the system's temporary folder); one folder "
+        "serves every rank and worker of a host",
+    )
+    shard_cache_gb: float = flag(20.0, "size limit of --shard_cache in GiB (hold two shuffle blocks of shards)")
+    shard_fetchers: int = flag(4, "concurrent shard fetches ahead of use, per DataLoader worker")
     # length of training
     epochs: int = flag(1, "passes over the data (ignored when --steps is set)")
     steps: int = flag(0, "optimizer steps to train; 0 means derive from --epochs")
@@ -158,10 +172,20 @@ class TrainConfig:
             )
         if self.shard_retries < 0:
             raise ValueError(f"--shard_retries must be >= 0 (got {self.shard_retries})")
+        if self.shuffle_block < 1 or self.shard_fetchers < 1 or not self.shard_cache_gb > 0:
+            raise ValueError(
+                "--shuffle_block and --shard_fetchers must be >= 1 and --shard_cache_gb positive (got "
+                f"{self.shuffle_block}, {self.shard_fetchers} and {self.shard_cache_gb:g})"
+            )
         if self.max_bad_shards < -1:
             raise ValueError(
                 f"--max_bad_shards must be >= 0, or -1 for 1 in 100 of the shards (got {self.max_bad_shards})"
             )
+
+    def stream_options(self) -> StreamOptions:
+        """How --wds shards are read, as the data package takes it."""
+        return StreamOptions(self.shard_retries, self.max_bad_shards, self.shuffle_block, self.shard_cache,
+                             self.shard_cache_gb, self.shard_fetchers)  # fmt: skip
 
     def check_elastic(self) -> None:
         """What must not depend on the number of workers, since workers come and go and joiners compute it anew."""

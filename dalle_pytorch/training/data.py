@@ -50,7 +50,7 @@ def datasets(spec: DataSpec, cfg, backend, run) -> DataSets:
     train = build_dataset(
         spec.folder, spec.wds, spec.captions, spec.image_size, spec.channels, spec.resize_ratio,
         rank=backend.rank, world_size=backend.world_size, seed=cfg.seed, dataset_size=cfg.dataset_size,
-        folder_flag=spec.folder_flag, shard_retries=cfg.shard_retries, max_bad_shards=cfg.max_bad_shards,
+        folder_flag=spec.folder_flag, stream=cfg.stream_options(),
     )  # fmt: skip
     if isinstance(train, torch.utils.data.IterableDataset):
         index = cfg.shards_index or os.path.join(run.path, "shards.json")
@@ -104,7 +104,9 @@ def shard_samples(urls: str, spec: DataSpec, cfg, n: int) -> list:
     from ..data.wds import WebDatasetPairs
 
     keys = spec.wds if spec.captions else spec.wds.split(",")[0]
-    stream = WebDatasetPairs(urls, keys, spec.image_size, spec.channels, 1.0, seed=cfg.seed, retries=cfg.shard_retries)
+    stream = WebDatasetPairs(
+        urls, keys, spec.image_size, spec.channels, 1.0, seed=cfg.seed, options=cfg.stream_options()
+    )
     stream.count(say=warnings.warn)  # a small set: every rank counts it, keeping no index
     samples = list(itertools.islice((item for item in stream if isinstance(item, tuple)), n))
     if not samples:

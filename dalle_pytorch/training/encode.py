@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ..data import storage
 from ..data.folders import image_transform
 from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
 from ..data.shards import RETRIES, ShardError, open_shard
@@ -157,29 +158,20 @@ def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, bac
     backend.barrier()
     run.print(f"image codes of {len(pairs.shards)} shards in {out} ({n} encoded now, {time.perf_counter() - t:.0f}s)")
     tokens = WebDatasetPairs(out, f"{CODES_KEY},txt", vae.image_size, rank=backend.rank,
-                             world_size=backend.world_size, seed=pairs.seed, retries=pairs.retries,
-                             max_bad_shards=pairs.max_bad_shards)  # fmt: skip
+                             world_size=backend.world_size, seed=pairs.seed, options=pairs.options)  # fmt: skip
     tokens.count(os.path.join(out, "shards.json"), lambda counts: add_up(backend, counts), run.print)
     return tokens
 
 
 def check_codes(folder_or_urls: str, vae_id: str) -> None:
     """Token shards (`--wds codes.npy,...`) must hold the codes of the image tokenizer the run trains with."""
-    if os.path.isdir(folder_or_urls):
-        meta = os.path.join(folder_or_urls, META)
+    if os.path.isdir(folder_or_urls) or folder_or_urls.endswith("/"):
+        meta = storage.join(folder_or_urls, META)
     else:
-        meta = os.path.join(os.path.dirname(shard_urls(folder_or_urls)[0]), META)
-    if "://" in meta and not meta.startswith("file://"):
-        from ..data.shards import fetch
-
-        try:
-            recorded = json.loads(fetch(meta, retries=1)).get("vae_fingerprint")
-        except (ShardError, ValueError):
-            return
-    elif os.path.exists(meta):
-        with open(meta) as f:
-            recorded = json.load(f).get("vae_fingerprint")
-    else:
+        meta = storage.join(storage.dirname(shard_urls(folder_or_urls)[0]), META)
+    try:
+        recorded = json.loads(storage.read_bytes(meta, retries=1)).get("vae_fingerprint")
+    except (ShardError, ValueError):
         return
     if recorded != vae_id:
         raise ValueError(

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from dalle_pytorch.data import shard_plan, wds
-from dalle_pytorch.data.wds import WebDatasetPairs
+from dalle_pytorch.data.wds import StreamOptions, WebDatasetPairs
 from dalle_pytorch.training.batches import batches
 from dalle_pytorch.training.loop import Position
 
@@ -48,8 +48,10 @@ def _setup(ranks: int, rank: int, workers: int, batch: int = 2):
     return cfg, backend
 
 
-def _dataset(paths, rank=0, ranks=1, resize_ratio=1.0):
-    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=resize_ratio, rank=rank, world_size=ranks, seed=3)
+def _dataset(paths, rank=0, ranks=1, resize_ratio=1.0, block=wds.SHUFFLE_BLOCK):
+    options = StreamOptions(shuffle_block=block)
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=resize_ratio, rank=rank, world_size=ranks, seed=3,
+                         options=options)  # fmt: skip
     ds.count()
     return ds
 
@@ -81,31 +83,56 @@ def test_remaining_and_consumed_make_the_plan_exactly():
         assert sorted(given + left) == [i for a, b in ranges for i in range(a, b)]
 
 
-def test_epoch_order_is_a_permutation_that_changes_with_the_epoch():
+@pytest.mark.parametrize("block", [1, 6, 1000])
+def test_epoch_order_is_a_permutation_that_changes_with_the_epoch(block):
     counts = [5, 0, 3, 7]
     orders = []
     for epoch in (0, 1):
-        order = shard_plan.EpochOrder(counts, seed=1, epoch=epoch)
+        order = shard_plan.EpochOrder(counts, seed=1, epoch=epoch, block=block)
         items = list(order.items([(0, order.total)]))
         assert sorted(items) == sorted((s, j) for s, n in enumerate(counts) for j in range(n))
         orders.append(items)
     assert orders[0] != orders[1]
-    assert list(shard_plan.EpochOrder(counts, 1, 0).items([(0, 15)])) == orders[0]  # a pure function
+    assert list(shard_plan.EpochOrder(counts, 1, 0, block).items([(0, 15)])) == orders[0]  # a pure function
+    pieces = list(shard_plan.EpochOrder(counts, 1, 0, block).items([(0, 4), (4, 9), (9, 15)]))
+    assert pieces == orders[0]  # read in pieces: the same items
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_at_the_same_layout_gives_the_uninterrupted_batches(tmp_path, workers):
+def test_shuffle_blocks_hold_whole_shards_and_mix_them():
+    """Over random layouts: every block is whole shards of at least `block` samples (but the last), every item
+    once; with a block of all the shards, a run of items is drawn across them."""
+    rng = random.Random(0)
+    for _ in range(200):
+        counts = [rng.randrange(0, 30) for _ in range(rng.randrange(1, 12))]
+        block = rng.choice([1, 2, 10, 50, 10_000])
+        order = shard_plan.EpochOrder(counts, rng.randrange(9), rng.randrange(3), block)
+        assert sorted(i for b in order.blocks for i in b) == [i for i, n in enumerate(counts) if n]
+        sizes = [sum(counts[i] for i in b) for b in order.blocks]
+        assert all(n >= block for n in sizes[:-1]) and all(
+            n - counts[b[-1]] < block for n, b in zip(sizes, order.blocks)
+        )
+        cuts = sorted(rng.sample(range(order.total + 1), min(4, order.total + 1)))
+        ranges = list(zip(cuts[:-1], cuts[1:]))
+        assert len(list(order.items(ranges))) == shard_plan.length(ranges)
+        assert sorted(order.items([(0, order.total)])) == sorted((s, j) for s, n in enumerate(counts) for j in range(n))
+    order = shard_plan.EpochOrder([100] * 10, 0, 0, block=1000)
+    first = [s for s, _ in order.items([(0, 20)])]
+    assert len(set(first)) >= 6  # 20 items from 10 shards of 100: one shard at a time would give 1
+
+
+@pytest.mark.parametrize("workers, block", [(0, wds.SHUFFLE_BLOCK), (2, wds.SHUFFLE_BLOCK), (2, 1), (2, 13)])
+def test_resume_at_the_same_layout_gives_the_uninterrupted_batches(tmp_path, workers, block):
     """Stopped after an odd number of batches (mid-epoch, mid-shard, on a worker's turn), a new process's batches
     are the uninterrupted run's, random crops included, into the next epoch."""
     paths = write_shards(tmp_path, 5, [7, 6, 9, 5, 8], size=12)
     cfg, backend = _setup(1, 0, workers, batch=3)
     pos = Position()
-    run = batches(_dataset(paths, resize_ratio=0.6), cfg, backend, pos)
+    run = batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, pos)
     for _ in range(5):
         next(run)
     saved = _copy(pos)
     rest = [next(run) for _ in range(10)]  # 10 or 11 batches an epoch: into epoch 1
-    resumed = batches(_dataset(paths, resize_ratio=0.6), cfg, backend, saved)
+    resumed = batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, saved)
     for (img_a, cap_a), (img_b, cap_b) in zip(rest, (next(resumed) for _ in range(10)), strict=True):
         assert cap_a == cap_b
         assert torch.equal(img_a, img_b)
@@ -117,19 +144,20 @@ def _captions(ds, cfg, backend, pos, steps: int) -> list[str]:
     return [c for _ in range(steps) for c in next(run)[1]]
 
 
-def test_resume_on_another_world_size_sees_every_sample_once(tmp_path):
+@pytest.mark.parametrize("block", [1, 20, wds.SHUFFLE_BLOCK])
+def test_resume_on_another_world_size_sees_every_sample_once(tmp_path, block):
     """2 ranks x 2 workers stop mid-epoch; 1 rank with 1 worker finishes the epoch: none twice, none lost."""
     paths = write_shards(tmp_path, 6, [10, 12, 8, 9, 11, 14])  # 64 samples: 4 streams of 16 (batch 2)
     seen, saved = [], None
     for rank in range(2):
         cfg, backend = _setup(2, rank, 2)
         pos = Position()
-        seen += _captions(_dataset(paths, rank, 2), cfg, backend, pos, 5)  # 5 of each rank's 16 batches
+        seen += _captions(_dataset(paths, rank, 2, block=block), cfg, backend, pos, 5)  # 5 of each rank's 16
         saved = saved or _copy(pos)
         assert pos.samples_in_epoch == saved.samples_in_epoch == 5 * 2 * 2
     cfg, backend = _setup(1, 0, 0)
     pos = _copy(saved)
-    ds = _dataset(paths)
+    ds = _dataset(paths, block=block)
     left = 64 - len(seen)
     seen += _captions(ds, cfg, backend, pos, left // 2)
     assert pos.epoch == 0 and pos.stream["ranks"] == 1
@@ -138,19 +166,21 @@ def test_resume_on_another_world_size_sees_every_sample_once(tmp_path):
     assert next(batches(ds, cfg, backend, pos)) and pos.epoch == 1  # the next epoch starts on the new layout
 
 
-def test_a_resume_opens_only_the_shards_it_reads(tmp_path, monkeypatch):
-    """The samples before the position are skipped by arithmetic: the shards that hold them are never opened."""
+@pytest.mark.parametrize("block, shards", [(1, 1), (12, 2)])
+def test_a_resume_opens_only_the_shards_it_reads(tmp_path, monkeypatch, block, shards):
+    """The samples before the position are skipped by arithmetic: the shards that hold them are never opened,
+    only those of the shuffle block the position is in (blocks of 2 shards of 6 samples: 2)."""
     paths = write_shards(tmp_path, 10, 6)
     cfg, backend = _setup(1, 0, 0)
     pos = Position()
-    run = batches(_dataset(paths), cfg, backend, pos)
+    run = batches(_dataset(paths, block=block), cfg, backend, pos)
     for _ in range(26):  # 52 of 60 samples
         next(run)
     opened = []
     real = wds.open_shard
-    monkeypatch.setattr(wds, "open_shard", lambda url, *a: opened.append(url) or real(url, *a))
-    next(batches(_dataset(paths), cfg, backend, _copy(pos)))
-    assert len(opened) == 1
+    monkeypatch.setattr(wds, "open_shard", lambda url, *a, **k: opened.append(url) or real(url, *a, **k))
+    next(batches(_dataset(paths, block=block), cfg, backend, _copy(pos)))
+    assert len(opened) == shards
 
 
 def test_bad_shards_are_named_counted_and_stop_the_run_past_the_limit(tmp_path):
@@ -158,13 +188,15 @@ def test_bad_shards_are_named_counted_and_stop_the_run_past_the_limit(tmp_path):
     data = open(paths[1], "rb").read()
     open(paths[1], "wb").write(data[: len(data) // 2])  # truncated mid-member
     open(paths[2], "wb").close()  # an empty file
-    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, max_bad_shards=0)
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, options=StreamOptions(max_bad_shards=0))
     said = []
     ds.count(str(tmp_path / "index.json"), say=said.append)
     assert any("shard-0001.tar is truncated at byte" in s for s in said)
     assert any("shard-0002.tar holds no samples" in s for s in said)
     assert ds.num_samples == 8 + ds.counts[1]
-    missing = WebDatasetPairs([*paths, str(tmp_path / "gone.tar")], "png,txt", 8, max_bad_shards=0)
+    missing = WebDatasetPairs(
+        [*paths, str(tmp_path / "gone.tar")], "png,txt", 8, options=StreamOptions(max_bad_shards=0)
+    )
     with pytest.raises(wds.DataError, match=r"1 of 5 shards could not be read, more than --max_bad_shards 0"):
         missing.count(say=said.append)
     assert any("gone.tar is unreadable: no such file" in s for s in said)
@@ -212,7 +244,7 @@ def _replace_members(path: str, ext: str, data: bytes) -> None:
 
 def test_a_shard_that_changed_since_it_was_counted_is_said_and_counts_as_bad(tmp_path):
     paths = write_shards(tmp_path, 3, 4)
-    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, max_bad_shards=1)
+    ds = WebDatasetPairs(paths, "png,txt", 8, resize_ratio=1.0, options=StreamOptions(max_bad_shards=1))
     ds.count(str(tmp_path / "index.json"))
     write_shards(tmp_path, 1, [2])  # shard 0 rewritten with 2 samples
     cfg, backend = _setup(1, 0, 0)
@@ -220,7 +252,7 @@ def test_a_shard_that_changed_since_it_was_counted_is_said_and_counts_as_bad(tmp
         run = batches(ds, cfg, backend, Position())
         got = [c for _ in range(6) for c in next(run)[1]]  # the epoch's 6 batches, 2 samples of shard 0 missing
     assert len(got) == 12 and len(set(got)) == 10 and ds.skip_counts()["missing_from_shard"] == 2
-    strict = WebDatasetPairs(paths, "png,txt", 8, max_bad_shards=0)
+    strict = WebDatasetPairs(paths, "png,txt", 8, options=StreamOptions(max_bad_shards=0))
     strict.count(str(tmp_path / "index.json"))  # the old counts, from the index
     with pytest.raises(wds.DataError, match=r"1 of 3 shards could not be read, more than --max_bad_shards 0"):
         run = batches(strict, cfg, backend, Position())
