@@ -47,6 +47,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _own_shard_cache(tmp_path_factory, monkeypatch):
+    """Each test's remote shards in a cache folder of its own (a port reused by another test's server is another
+    test's shards under the same URL)."""
+    monkeypatch.setenv("DALLE_SHARD_CACHE", str(tmp_path_factory.mktemp("shard-cache")))
+
+
 class Handler(BaseHTTPRequestHandler):
     """Serves server.files by name, with `Range: bytes=N-` unless server.ignore_range; logs every GET."""
 

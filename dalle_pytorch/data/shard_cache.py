@@ -6,7 +6,9 @@ file per shard), written under .partial/ and renamed into place when whole, so a
 shard; the others wait for it and open the same file. Using a shard marks it (its mtime), eviction (under one
 lock for the folder) removes the least recently used until the total fits. An evicted shard that a reader still
 holds open stays readable (Linux frees it when the last handle closes): the stream keeps its block's shards open.
-Epoch 2 finds the shards of epoch 1 on disk when the limit holds them, and asks the store for nothing.
+Epoch 2 finds the shards of epoch 1 on disk when the limit holds them, and asks the store for nothing. A shard is
+known by its URL, as the shard index knows its count: a shard rewritten under the same URL needs its cached file
+(and its index entry) deleted.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ RECENT_S = 60.0  # a shard used this recently and evicted: the limit is below wh
 
 
 def default_folder() -> str:
-    return os.path.join(tempfile.gettempdir(), f"dalle-shards-{os.getuid()}")
+    """$DALLE_SHARD_CACHE, else dalle-shards-UID under the system's temporary folder."""
+    return os.environ.get("DALLE_SHARD_CACHE") or os.path.join(tempfile.gettempdir(), f"dalle-shards-{os.getuid()}")
 
 
 @dataclass

@@ -43,8 +43,8 @@ class TrainConfig:
     shard_cache: str = flag(
         "",
         "--wds shards from http(s), s3://, gs:// or pipe: are fetched ahead into this folder and read there, the "
-        "least recently used evicted (default: dalle-shards-UID under the system's temporary folder); one folder "
-        "serves every rank and worker of a host",
+        "least recently used evicted (default: $DALLE_SHARD_CACHE, else dalle-shards-UID under the system's "
+        "temporary folder); one folder serves every rank and worker of a host",
     )
     shard_cache_gb: float = flag(20.0, "size limit of --shard_cache in GiB (hold two shuffle blocks of shards)")
     shard_fetchers: int = flag(4, "concurrent shard fetches ahead of use, per DataLoader worker")
