@@ -150,6 +150,6 @@ class Prefetcher:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for future in self.futures.values():  # fetched for a block the stream did not reach: close the handles
-            if future.done() and future.exception() is None:
+            if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().file.close()
         self.futures.clear()

@@ -55,11 +55,13 @@ def count_shards(
     say: Callable[[str], None],
     threads: int = 8,
     cache=None,
+    why: dict[str, str] | None = None,
 ) -> list[int]:
     """Samples per shard of `urls` (UNREADABLE where it could not be read), the same on every rank.
 
     `add_up`: the sum of a list of ints over the ranks (a collective: every rank calls this function as often as
-    the others); without it, this process counts every shard itself. Only rank 0 reads and writes the index."""
+    the others); without it, this process counts every shard itself. Only rank 0 reads and writes the index.
+    `why`: filled with the reason of each shard this process found unreadable."""
     known = read_index(index_path) if rank == 0 or add_up is None else {}
     counts = [known.get(u, _MISSING) for u in urls]
     if add_up is not None:  # rank 0's reading of the index, on every rank
@@ -71,7 +73,7 @@ def count_shards(
     counted, truncated = [0] * len(urls), [0] * len(urls)
     if mine:
         with ThreadPoolExecutor(min(threads, len(mine))) as pool:
-            for i, (n, cut) in zip(mine, pool.map(lambda i: _count(urls[i], retries, say, cache), mine)):
+            for i, (n, cut) in zip(mine, pool.map(lambda i: _count(urls[i], retries, say, cache, why), mine)):
                 counted[i], truncated[i] = n, int(cut)
     if add_up is not None:
         both = add_up(counted + truncated)
@@ -86,7 +88,7 @@ def count_shards(
     return counts
 
 
-def _count(url: str, retries: int, say: Callable[[str], None], cache=None) -> tuple[int, bool]:
+def _count(url: str, retries: int, say: Callable[[str], None], cache=None, why=None) -> tuple[int, bool]:
     """(samples, whether the shard is truncated); UNREADABLE samples for a shard that cannot be read at all."""
     stats = _stats_count(url)
     if stats is not None:
@@ -95,6 +97,8 @@ def _count(url: str, retries: int, say: Callable[[str], None], cache=None) -> tu
         shard = open_shard(url, retries, cache=cache)  # fetched into the cache: the first epoch reads it there
     except ShardError as e:  # whatever the damage: this rank must still reach the collective
         say(f"warning: shard {e.url} is unreadable: {e.why}; it is left out")
+        if why is not None:
+            why[url] = e.why
         return UNREADABLE, False
     shard.close()
     if shard.truncated_at is not None:

@@ -223,7 +223,7 @@ def _fsspec_get(url: str, body: _Body) -> None:
 
 def _fsspec_why(e: BaseException) -> str:
     if isinstance(e, FileNotFoundError):
-        return "no such object (check the bucket and the key)"
+        return f"no such object or bucket ({_first_line(e)}): check the bucket's and the object's names"
     if isinstance(e, PermissionError):
         return (
             f"access denied ({_first_line(e)}): check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "

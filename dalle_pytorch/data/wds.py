@@ -107,14 +107,16 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------------ the index
     def count(self, index_path: str = "", add_up=None, say=print) -> None:
         """Count the samples of every shard (kept in `index_path`); `add_up`: the sum over ranks, a collective."""
+        why: dict[str, str] = {}
         self.counts = count_shards(
-            self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say, cache=self.cache
+            self.shards, index_path, self.rank, self.world_size, add_up, self.retries, say, cache=self.cache, why=why
         )
         bad = [u for u, n in zip(self.shards, self.counts) if n == UNREADABLE]
         for i, n in enumerate(self.counts):  # every rank knows them: they count towards the limit everywhere
             self._bad[i] = int(n == UNREADABLE)
-        if bad and self.num_samples and len(bad) > self.max_bad_shards:
-            raise DataError(_too_many(len(bad), len(self.shards), self.max_bad_shards, bad[0]))
+        if bad and len(bad) > self.max_bad_shards:
+            example = next(iter(why.items()), None)
+            raise DataError(_too_many(len(bad), len(self.shards), self.max_bad_shards, bad[0], *(example or ())))
 
     @property
     def num_samples(self) -> int:
@@ -205,7 +207,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         try:
             shard = open_shard(self.shards[i], self.retries, cache=cache)
         except ShardError as e:  # whatever the damage: said, counted, never a crash
-            return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped")
+            return self._bad_shard(i, f"shard {e.url} is unreadable: {e.why}; its samples are skipped", e.why)
         if len(shard) != self._counts()[i]:
             stop = self._bad_shard(i, self._changed(shard, i))
             if stop is not None:
@@ -213,12 +215,12 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                 return stop
         return shard
 
-    def _bad_shard(self, i: int, what: str):
+    def _bad_shard(self, i: int, what: str, why: str = ""):
         warnings.warn(what, stacklevel=3)
         self._bad[i] = 1
         bad = sum(self._bad)
         if bad > self.max_bad_shards:
-            return DataError(_too_many(bad, len(self.shards), self.max_bad_shards, self.shards[i]))
+            return DataError(_too_many(bad, len(self.shards), self.max_bad_shards, self.shards[i], self.shards[i], why))
         return None
 
     def _changed(self, shard, i: int) -> str:
@@ -291,7 +293,9 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         return out
 
 
-def _too_many(bad: int, total: int, allowed: int, example: str) -> str:
+def _too_many(bad: int, total: int, allowed: int, example: str, url: str = "", why: str = "") -> str:
+    if why:  # this rank's own finding, with its reason (a wrong key, a missing bucket: every shard's)
+        return f"{bad} of {total} shards could not be read, more than --max_bad_shards {allowed}; {url}: {why}"
     return (
         f"{bad} of {total} shards could not be read, more than --max_bad_shards {allowed} (e.g. {example}): "
         "fix or drop them, or raise --max_bad_shards"

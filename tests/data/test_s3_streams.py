@@ -1,0 +1,128 @@
+"""Shards in an S3-compatible store (a real SeaweedFS on 127.0.0.1, tests/s3_server.py), through fsspec: training
+reads them into the shard cache, survives the server killed and restarted mid-epoch, resumes, and ends with the
+weights it gets from the same files on disk; a wrong key, a missing bucket and a denied request are one line
+each, without the secret."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from s3_server import READER, s3_server  # noqa: F401  (the fixture)
+from s3fs import S3FileSystem
+
+from dalle_pytorch.data.shapes_export import export_wds
+from dalle_pytorch.data.shard_index import read_index
+from dalle_pytorch.files import safe_load
+from dalle_pytorch.training.checkpoints import step_dirs
+
+pytestmark = pytest.mark.e2e
+
+
+def _shards(tmp_path, s3, bucket: str) -> str:
+    """6 shards of 8 with img2dataset's _stats.json beside each (so counting reads 6 small files), uploaded."""
+    folder = tmp_path / "shards"
+    export_wds(str(folder), 48, image_size=16, per_shard=8)
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        files[name] = (folder / name).read_bytes()
+        files[name.replace(".tar", "_stats.json")] = json.dumps({"successes": 8}).encode()
+    s3.put(bucket, files)
+    return f"s3://{bucket}/shard-{{000000..000005}}.tar"
+
+
+def _args(tmp_path):
+    from helpers import ONE_THREAD, TINY_VAE_MODEL
+
+    return [
+        *TINY_VAE_MODEL, *ONE_THREAD, "--wds", "png", "--batch_size", "4", "--num_workers", "2", "--steps", "12",
+        "--quiet", "--sample_every", "0", "--save_every_n_steps", "4", "--keep_n_checkpoints", "5",
+        "--resize_ratio", "0.8", "--shuffle_block", "16", "--shard_fetchers", "1",
+        "--shard_cache", str(tmp_path / "cache"),
+    ]  # fmt: skip
+
+
+def _cached(folder) -> int:
+    return len([n for n in os.listdir(folder) if n.endswith(".tar")]) if os.path.isdir(folder) else 0
+
+
+def _weights(path):
+    return safe_load(path)["weights"]
+
+
+def test_training_on_s3_survives_a_restart_resumes_and_ends_with_the_local_weights(tmp_path, s3_server, monkeypatch):  # noqa: F811
+    import shutil
+
+    import train_vae
+
+    pattern = _shards(tmp_path, s3_server, "train")
+    args = _args(tmp_path)
+    local = train_vae.main([*args, "--image_folder", str(tmp_path / "shards"), "--output_dir", str(tmp_path / "a")])
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    S3FileSystem.clear_instance_cache()
+    cached = []
+
+    def restart_mid_epoch():  # once the first block's shards are on disk: the server killed, back 2 s later
+        while not _cached(tmp_path / "cache"):
+            time.sleep(0.01)
+        s3_server.kill()
+        cached.append(_cached(tmp_path / "cache"))
+        time.sleep(2)
+        s3_server.start()
+
+    restarter = threading.Thread(target=restart_mid_epoch, daemon=True)
+    restarter.start()
+    out = str(tmp_path / "b")
+    export = train_vae.main(
+        [*args, "--image_folder", pattern, "--output_dir", out, "--shards_index", "s3://train/index.json"]
+    )
+    restarter.join(timeout=60)
+    assert cached and cached[0] < 6  # killed before every shard was fetched
+    a = _weights(local)
+    assert all(torch.equal(a[k], v) for k, v in _weights(export).items())
+    assert read_index("s3://train/index.json") == {f"s3://train/shard-{i:06d}.tar": 8 for i in range(6)}
+
+    for later in step_dirs(os.path.join(out, "vae", "checkpoints"))[:-2]:  # back to step 4: resumed from there
+        shutil.rmtree(later)
+    shutil.rmtree(tmp_path / "cache")
+    resumed = train_vae.main([*args, "--image_folder", pattern, "--output_dir", out, "--resume", "auto",
+                              "--shards_index", "s3://train/index.json"])  # fmt: skip
+    assert all(torch.equal(a[k], v) for k, v in _weights(resumed).items())
+    with open(os.path.join(out, "vae", "config.yaml")) as f:
+        assert "testsecret" not in f.read()  # the credentials are never recorded
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("wrong_key", "access denied (Forbidden): check the credentials"),
+        ("missing_bucket", "no such object or bucket (The specified bucket does not exist)"),
+        ("denied", "access denied (Forbidden): check the credentials"),
+    ],
+)
+def test_store_errors_are_one_line_without_the_secret(tmp_path, s3_server, monkeypatch, capsys, case, said):  # noqa: F811
+    import train_vae
+
+    pattern = _shards(tmp_path, s3_server, "private")
+    env = s3_server.env(READER) if case == "denied" else s3_server.env()
+    if case == "wrong_key":
+        env["AWS_SECRET_ACCESS_KEY"] = "not-the-secret"
+    if case == "missing_bucket":
+        pattern = pattern.replace("private", "nobucket")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    S3FileSystem.clear_instance_cache()  # a new process reads the environment; this one keeps fsspec's instances
+    t = time.perf_counter()
+    with pytest.raises(SystemExit):
+        train_vae.main([*_args(tmp_path), "--image_folder", pattern, "--output_dir", str(tmp_path / "run"),
+                        "--shard_retries", "1"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: 6 of 6 shards could not be read, more than --max_bad_shards 0; s3://")
+    assert said in err[-1], err[-1]
+    assert not any(env["AWS_SECRET_ACCESS_KEY"] in line for line in err)
+    assert time.perf_counter() - t < 60  # final answers are not retried
