@@ -10,9 +10,9 @@ over the epoch's micro-batches of the largest share of one label in a batch, and
 (the same statistic of batches drawn uniformly from the data, computed here).
 
 Part `clip`: the built-in shapes (32x32) exported to 40 shards sorted by the colour named first in the caption,
-train_clip.py for --steps on them with --shuffle_block 1 (one shard at a time) and with the default, 3 seeds
-each; printed: text -> image retrieval accuracy among groups of 32 held-out pairs (mean and range), and the
-training time.
+and to 40 shards in random order; train_clip.py for --steps on each with --shuffle_block 1 (one shard at a time)
+and with the default, 3 seeds each; printed: text -> image retrieval accuracy among groups of 32 held-out pairs
+(mean and range), and the training time.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import tarfile
 import time
 from types import SimpleNamespace
 
+import common  # noqa: F401 - puts the repository on sys.path
 import numpy as np
 import torch
-import common  # noqa: F401 - puts the repository on sys.path
 from PIL import Image
 
 from dalle_pytorch.data.shapes import COLORS, sample
@@ -89,11 +89,11 @@ def mix(out: str, batch: int = 16, labels: int = 10, shards: int = 40, per_shard
         shares = [largest_share([int(c.split()[1]) for c in next(run)[1]], batch) for _ in range(steps)]
         rate = steps / (time.perf_counter() - t)
         share = statistics.mean(shares)
-        print(f"{block:>13}  {max(block, per_shard) / per_shard if block < shards * per_shard else shards:>12.0f}  {share:>13.3f}  "
-              f"{share / uniform:>9.2f}  {rate:>9.0f}")  # fmt: skip
+        per_block = max(block, per_shard) // per_shard if block < shards * per_shard else shards
+        print(f"{block:>13}  {per_block:>12}  {share:>13.3f}  {share / uniform:>9.2f}  {rate:>9.0f}")
 
 
-def shapes_sorted(out: str, n: int, shards: int) -> list[str]:
+def shapes_shards(out: str, n: int, shards: int, sort: bool) -> list[str]:
     colours = list(COLORS)
     items = []
     for i in range(n):
@@ -102,7 +102,8 @@ def shapes_sorted(out: str, n: int, shards: int) -> list[str]:
         img.save(buf, format="PNG")
         items.append((f"{i:06d}", buf.getvalue(), caption))
     first = lambda caption: min((caption.find(c), c) for c in colours if c in caption)[1]  # noqa: E731
-    items.sort(key=lambda it: (colours.index(first(it[2])), it[0]))
+    if sort:
+        items.sort(key=lambda it: (colours.index(first(it[2])), it[0]))
     return write_sorted(out, items, shards)
 
 
@@ -127,15 +128,15 @@ def retrieval(export: str, n: int = 640, group: int = 32) -> float:
 
 
 def clip(out: str, steps: int, seeds: int) -> None:
-    data = os.path.join(out, "shapes")
-    if not os.path.isdir(data):
-        shapes_sorted(data, 8000, 40)
-    print(f"\nCLIP on 8000 shapes in 40 shards sorted by colour, {steps} steps of 32, one thread, 2 workers")
-    print("shuffle_block  retrieval@32 mean (range)  train s")
-    for block in (1, SHUFFLE_BLOCK):
+    print(f"\nCLIP on 8000 shapes in 40 shards, {steps} steps of 32, one thread, 2 workers")
+    print("shards               shuffle_block  retrieval@32 mean (range)  train s")
+    for order, block in (("sorted", 1), ("sorted", SHUFFLE_BLOCK), ("shuffled", 1), ("shuffled", SHUFFLE_BLOCK)):
+        data = os.path.join(out, f"shapes-{order}")
+        if not os.path.isdir(data):
+            shapes_shards(data, 8000, 40, sort=order == "sorted")
         accs, secs = [], []
         for seed in range(seeds):
-            run = os.path.join(out, f"clip-{block}-{seed}")
+            run = os.path.join(out, f"clip-{order}-{block}-{seed}")
             cmd = [sys.executable, os.path.join(ROOT, "train_clip.py"), *CLIP_MODEL, "--wds", "png,txt",
                    "--image_text_folder", data, "--steps", str(steps), "--batch_size", "32", "--seed", str(seed),
                    "--shuffle_block", str(block), "--output_dir", run, "--threads", "1", "--quiet",
@@ -144,7 +145,8 @@ def clip(out: str, steps: int, seeds: int) -> None:
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             secs.append(time.perf_counter() - t)
             accs.append(retrieval(os.path.join(run, "clip", "clip.safetensors")))
-        print(f"{block:>13}  {statistics.mean(accs):.3f} ({min(accs):.3f}-{max(accs):.3f})  "
+        shards = "by colour" if order == "sorted" else "in random order"
+        print(f"{shards:<20} {block:>13}  {statistics.mean(accs):.3f} ({min(accs):.3f}-{max(accs):.3f})  "
               f"{statistics.mean(secs):7.0f}")  # fmt: skip
 
 

@@ -179,13 +179,18 @@ class CuttingProxy:
     body for each path come with their headers and `fraction` of their body, then the connection closes (a
     FIN mid-body: http.client raises IncompleteRead); later ones, e.g. a retry with `Range: bytes=N-`, pass whole.
 
+    `latency` (s) delays every response, `rate` (bytes/s, 0: unlimited) paces each connection's body: a distant
+    store (bench/shard_cache.py).
+
     `requests`: every request as (path, its Range header or None); `cuts`: path -> responses cut. Paths are as
     on the wire, with the leading slash: `proxy.cuts["/shard-000000.tar"]`."""
 
-    def __init__(self, upstream: tuple[str, int], fraction: float = 0.4, cut_first_n: int = 1, timeout: float = 10):
+    def __init__(self, upstream: tuple[str, int], fraction: float = 0.4, cut_first_n: int = 1, timeout: float = 10,
+                 latency: float = 0.0, rate: float = 0.0):  # fmt: skip
         if not 0 <= fraction < 1:
             raise ValueError(f"fraction must be in [0, 1) (got {fraction})")
         self.upstream, self.fraction, self.cut_first_n, self.timeout = tuple(upstream), fraction, cut_first_n, timeout
+        self.latency, self.rate = latency, rate
         self.port = 0
         self.cuts: dict[str, int] = {}
         self.requests: list[tuple[str, str | None]] = []
@@ -264,14 +269,19 @@ class CuttingProxy:
                 cut = 200 <= status < 300 and length > 0 and self.cuts.get(path, 0) < self.cut_first_n
                 if cut:
                     self.cuts[path] = self.cuts.get(path, 0) + 1
+            time.sleep(self.latency)
             client.sendall(resp_head)
             budget = int(length * self.fraction) if cut else None
+            sent, start = 0, time.perf_counter()
             while True:
                 if budget is not None:
                     body = body[:budget]
                     budget -= len(body)
                 if body:
                     client.sendall(body)
+                    sent += len(body)
+                    if self.rate:
+                        time.sleep(max(0.0, sent / self.rate - (time.perf_counter() - start)))
                 if budget == 0 or self._stopping.is_set():
                     break
                 body = upstream.recv(65536)
