@@ -59,10 +59,12 @@ def peak_worker_memory(proc: subprocess.Popen, stop: threading.Event, out: dict)
 def run(tree: str, name: str, flags: list[str], pattern: str, index: str, out: str, proxy, model: str) -> dict:
     run_dir = os.path.join(out, name)
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(tree, "train_vae.py"), *MODELS[model], "--wds", "jpg",
-           "--image_folder", pattern, "--shards_index", index, "--batch_size", "16", "--num_workers", "2",
-           "--epochs", "2", "--threads", "1", "--log_every", "5", "--sample_every", "0", "--save_every_n_steps", "0", "--output_dir", run_dir,
-           "--quiet", *flags]  # fmt: skip
+    cmd = [
+        sys.executable, os.path.join(tree, "train_vae.py"), *MODELS[model], "--wds", "jpg", "--image_folder", pattern,
+        "--shards_index", index, "--batch_size", "16", "--num_workers", "2", "--epochs", "2", "--threads", "1",
+        "--log_every", "5", "--sample_every", "0", "--save_every_n_steps", "0", "--output_dir", run_dir, "--quiet",
+        *flags,
+    ]  # fmt: skip
     before = len(proxy.requests)
     stop, memory = threading.Event(), {}
     t = time.perf_counter()
