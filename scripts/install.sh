@@ -104,20 +104,24 @@ if [ ! -f "$REFERENCE_DIR/.installed" ]; then
   fi
 fi
 
-# img2dataset 1.47, for tests/data/test_img2dataset.py only: a real client writes the shards that the trainers read.
+# img2dataset 1.47, for tests/data/test_img2dataset.py and test_s3_streams.py only: a real client writes the shards
+# that the trainers read (with s3fs: into the tests' S3 server).
 # A venv of its own, not .venv: its dependencies (pandas, pyarrow, opencv, albumentations, wandb) would move our pins.
 IMG2DATASET_DIR="$CACHE/img2dataset-$IMG2DATASET_VERSION"
 if [ ! -f "$IMG2DATASET_DIR/.installed" ]; then
   step "img2dataset $IMG2DATASET_VERSION for tests/data/test_img2dataset.py (optional, a venv in $IMG2DATASET_DIR)"
   rm -rf "$IMG2DATASET_DIR"
   if "$PY" -m venv "$IMG2DATASET_DIR" \
-    && "$IMG2DATASET_DIR/bin/pip" install -q img2dataset==$IMG2DATASET_VERSION 2>&1 | { grep -v "^WARNING: Location" || true; } \
+    && "$IMG2DATASET_DIR/bin/pip" install -q img2dataset==$IMG2DATASET_VERSION s3fs==2026.9.0 2>&1 | { grep -v "^WARNING: Location" || true; } \
     && NO_ALBUMENTATIONS_UPDATE=1 "$IMG2DATASET_DIR/bin/img2dataset" --help >/dev/null 2>&1; then
     touch "$IMG2DATASET_DIR/.installed"
   else
     echo "[install] warning: img2dataset $IMG2DATASET_VERSION did not install (read the pip error above);" \
       "tests/data/test_img2dataset.py skips" >&2
   fi
+elif ! "$IMG2DATASET_DIR/bin/python" -c "import s3fs" 2>/dev/null; then  # made before it wrote to S3
+  "$IMG2DATASET_DIR/bin/pip" install -q s3fs==2026.9.0 2>&1 | { grep -v "^WARNING: Location" || true; } ||
+    echo "[install] warning: s3fs did not install into $IMG2DATASET_DIR: its S3 test skips" >&2
 fi
 
 CURRENT_STEP="horovod $HOROVOD_VERSION (built from source with Gloo, CPU-only)"

@@ -5,6 +5,7 @@ each, without the secret."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import threading
@@ -126,3 +127,53 @@ def test_store_errors_are_one_line_without_the_secret(tmp_path, s3_server, monke
     assert said in err[-1], err[-1]
     assert not any(env["AWS_SECRET_ACCESS_KEY"] in line for line in err)
     assert time.perf_counter() - t < 60  # final answers are not retried
+
+
+def test_img2dataset_output_written_to_the_store_trains_as_is(tmp_path, s3_server, monkeypatch):  # noqa: F811
+    """img2dataset 1.47 downloads images from a local nginx straight into s3://i2d/shards/ (its fsspec output);
+    train_vae.py reads that folder URL as it is, counts the shards from their _stats.json, trains an epoch."""
+    import csv
+    import subprocess
+
+    from http_shards import Nginx
+    from PIL import Image
+    from test_img2dataset import IMG2DATASET, IMG2DATASET_DIR
+
+    import train_vae
+
+    if not Nginx.available() or not os.path.exists(os.path.join(IMG2DATASET_DIR, ".installed")):
+        pytest.skip("needs nginx and img2dataset (make install)")
+    if not any(os.path.isdir(os.path.join(p, "s3fs")) for p in glob.glob(f"{IMG2DATASET_DIR}/lib/*/site-packages")):
+        pytest.skip(f"img2dataset's venv {IMG2DATASET_DIR} has no s3fs: delete it and run `make install`")
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(40):
+        Image.new("RGB", (48, 48), ((i * 37) % 256, (i * 91) % 256, 90)).save(images / f"{i:03d}.jpg")
+    with open(tmp_path / "urls.csv", "w", newline="") as f, Nginx(str(images)) as nginx:
+        csv.writer(f).writerows([["url", "caption"], *([nginx.url(f"{i:03d}.jpg"), f"colour {i}"] for i in range(40))])
+        f.close()
+        s3_server.put("i2d")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(s3_server.env(), NO_ALBUMENTATIONS_UPDATE="1", WANDB_MODE="disabled", no_proxy="127.0.0.1")
+        cmd = [
+            IMG2DATASET, "--url_list", str(tmp_path / "urls.csv"), "--input_format", "csv", "--url_col", "url",
+            "--caption_col", "caption", "--output_format", "webdataset", "--image_size", "16",
+            "--processes_count", "1", "--thread_count", "4", "--number_sample_per_shard", "16",
+            "--enable_wandb", "False", "--output_folder", "s3://i2d/shards",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    S3FileSystem.clear_instance_cache()
+    from helpers import ONE_THREAD, TINY_VAE_MODEL
+
+    out = tmp_path / "run"
+    train_vae.main([*TINY_VAE_MODEL, *ONE_THREAD, "--wds", "jpg", "--image_folder", "s3://i2d/shards/",
+                    "--batch_size", "8", "--epochs", "1", "--num_workers", "0", "--log_every", "1", "--quiet",
+                    "--sample_every", "0", "--save_every_n_steps", "0", "--output_dir", str(out)])  # fmt: skip
+    with open(out / "vae" / "shards.json") as f:
+        counted = json.load(f)["samples"]
+    assert counted == {f"s3://i2d/shards/{i:05d}.tar": 16 if i < 2 else 8 for i in range(3)}
+    rows = [json.loads(line) for line in open(out / "vae" / "metrics.jsonl")]
+    assert len(rows) == 5  # 40 samples, batch 8: one epoch
