@@ -177,3 +177,33 @@ def test_img2dataset_output_written_to_the_store_trains_as_is(tmp_path, s3_serve
     assert counted == {f"s3://i2d/shards/{i:05d}.tar": 16 if i < 2 else 8 for i in range(3)}
     rows = [json.loads(line) for line in open(out / "vae" / "metrics.jsonl")]
     assert len(rows) == 5  # 40 samples, batch 8: one epoch
+
+
+def test_the_encode_command_and_validation_read_the_store(tmp_path, s3_server, monkeypatch):  # noqa: F811
+    """`python -m dalle_pytorch.training.encode --shards s3://...` writes the token shards it writes from the same
+    files on disk, and --val_image_folder s3://... validates from the store."""
+    from helpers import ONE_THREAD, TINY_VAE_MODEL
+
+    import train_vae
+    from dalle_pytorch.data.shards import open_shard
+    from dalle_pytorch.training import encode
+
+    pattern = _shards(tmp_path, s3_server, "enc")
+    common = [*TINY_VAE_MODEL, *ONE_THREAD, "--batch_size", "8", "--num_workers", "0", "--quiet", "--sample_every", "0"]
+    vae = train_vae.main([*common, "--steps", "2", "--dataset_size", "32", "--output_dir", str(tmp_path / "vae")])
+    encode.main(
+        ["--shards", str(tmp_path / "shards"), "--wds", "png,txt", "--vae_path", vae, "--out", str(tmp_path / "a")]
+    )
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    S3FileSystem.clear_instance_cache()
+    encode.main(["--shards", pattern, "--wds", "png,txt", "--vae_path", vae, "--out", str(tmp_path / "b")])
+    for i in range(6):
+        a, b = (open_shard(str(tmp_path / d / f"tokens-{i:06d}.tar")) for d in "ab")
+        assert len(a) == len(b) == 8 and all(a.read(j) == b.read(j) for j in range(8))
+    val = pattern.replace("000005", "000001")
+    out = tmp_path / "run"
+    train_vae.main([*common, "--wds", "png", "--image_folder", pattern, "--val_image_folder", val, "--val_every", "2",
+                    "--steps", "2", "--log_every", "1", "--output_dir", str(out)])  # fmt: skip
+    rows = [json.loads(line) for line in open(out / "vae" / "metrics.jsonl")]
+    assert any("val_loss" in r for r in rows), rows[-1].keys()
