@@ -10,7 +10,8 @@ tiny: 32x32, ~0.03 s, as fast as the workers decode),
 micro-batch 16, 2 DataLoader workers, 2 epochs, the shards counted beforehand (--shards_index), from each tree:
 `before` (REV: each worker fetches a shard whole into memory when its stream reaches it), `after` with
 --shuffle_block 1 (the same order, shards fetched ahead into --shard_cache), and `after` with the default shuffle
-block (all 8 shards in one block: every worker's batches drawn across them). Printed per run: the mean of the
+block (all 8 shards in one block: every worker's batches drawn across them), and the same files read from disk
+(the wait that decoding alone leaves). Printed per run: the mean of the
 loop's data_wait_share (the share of a step spent waiting for its batch), the wall time, the peak unique memory
 (USS) and RSS of a DataLoader worker (sampled every 0.2 s), and the shard requests in each epoch.
 """
@@ -107,7 +108,9 @@ def main(argv=None):
             with open(index, "w") as f:
                 json.dump({"version": 1, "samples": {proxy.url(n): 500 for n in names}}, f)
             pattern = proxy.url("{00000..00007}.tar").replace("%7B", "{").replace("%7D", "}")
+            local = os.path.join(folder, "{00000..00007}.tar")
             runs = [
+                ("local files (no store)", ROOT, ["--image_folder", local, "--shards_index", ""]),
                 ("before", before_tree, []),
                 ("after, --shuffle_block 1", ROOT, ["--shuffle_block", "1", "--shard_cache", os.path.join(out, "c1")]),
                 ("after, default block", ROOT, ["--shard_cache", os.path.join(out, "c2")]),
