@@ -13,7 +13,9 @@ micro-batch 16, 2 DataLoader workers, 2 epochs, the shards counted beforehand (-
 block (all 8 shards in one block: every worker's batches drawn across them), and the same files read from disk
 (the wait that decoding alone leaves). Printed per run: the mean of the
 loop's data_wait_share (the share of a step spent waiting for its batch), the wall time, the peak unique memory
-(USS) and RSS of a DataLoader worker (sampled every 0.2 s), and the shard requests in each epoch.
+(USS) and RSS of a DataLoader worker (sampled every 0.2 s), and the shard requests of the 2 epochs. The
+data-wait share is the loop's data_wait_share of each logged window of 5 steps, weighted by the window's length
+(the first window, with the workers' start, left out).
 """
 
 from __future__ import annotations
@@ -80,8 +82,11 @@ def run(tree: str, name: str, flags: list[str], pattern: str, index: str, out: s
     wall = time.perf_counter() - t
     with open(os.path.join(run_dir, "vae", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if '"data_wait_share"' in line]
+    # each row's share is of its own window of steps: weighted by the window's length, the share of the whole run
+    spans = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
+    wait = sum(r["data_wait_share"] * s for r, s in zip(rows[1:], spans)) / sum(spans)
     tars = [p for p, _ in proxy.requests[before:] if p.endswith(".tar")]
-    return {"wait": sum(r["data_wait_share"] for r in rows) / len(rows), "wall": wall, **memory, "requests": len(tars)}
+    return {"wait": wait, "wall": wall, **memory, "requests": len(tars)}
 
 
 def main(argv=None):

@@ -127,20 +127,18 @@ class Prefetcher:
     one, by `fetchers` concurrent fetches. `get` answers like ShardCache.get (a fetch that failed raises its
     ShardError there, when the stream reaches the shard)."""
 
-    def __init__(self, cache: ShardCache, blocks: list[list[str]], fetchers: int = 4):
-        self.cache, self.blocks = cache, blocks
+    def __init__(self, cache: ShardCache, blocks: list[list[str]], fetchers: int = 4, retries: int = storage.RETRIES):
+        self.cache, self.blocks, self.retries = cache, blocks, retries
         self.pool = ThreadPoolExecutor(max(fetchers, 1), thread_name_prefix="shard-fetch")
         self.futures: dict[str, Future] = {}
-        self.retries, self.backoff = storage.RETRIES, storage.BACKOFF_S
         self.submitted = -1
 
-    def enter(self, k: int, retries: int, backoff: float) -> None:
+    def enter(self, k: int) -> None:
         """The stream starts its k-th block: this block's shards and the next block's are fetched (or queued)."""
-        self.retries, self.backoff = retries, backoff
         for b in range(self.submitted + 1, min(k + 2, len(self.blocks))):
             for url in self.blocks[b]:
                 if url not in self.futures:
-                    self.futures[url] = self.pool.submit(self.cache.get, url, retries, backoff)
+                    self.futures[url] = self.pool.submit(self.cache.get, url, self.retries)
             self.submitted = b
 
     def get(self, url: str, retries: int = storage.RETRIES, backoff: float = storage.BACKOFF_S) -> Cached:

@@ -21,10 +21,24 @@ import bisect
 import hashlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 Ranges = list[tuple[int, int]]  # half-open ranges of G
+
+
+@dataclass
+class Plan:
+    """This epoch's part for the ranks (shard_plan.py): `ranges` of the epoch's order, cut into ranks x workers
+    streams of whole batches; every rank has already taken `consumed` batches of it."""
+
+    epoch: int
+    ranges: list[tuple[int, int]]
+    ranks: int
+    workers: int
+    batch: int
+    consumed: int = 0
 
 
 class EpochOrder:

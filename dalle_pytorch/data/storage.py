@@ -11,19 +11,19 @@ S3-compatible store's address from AWS_ENDPOINT_URL); nothing here reads, prints
 
 from __future__ import annotations
 
-import http.client
 import io
 import os
-import re
 import subprocess
 import time
-import urllib.error
-import urllib.request
+
+from webdataset.shardlists import expand_urls
+
+from .http_get import Body, Final, Retry, http_get
+from .http_get import why as http_why
 
 RETRIES = 5  # consecutive failed attempts before a shard is given up (--shard_retries)
 BACKOFF_S = 1.0  # the first wait; doubled after each failure, at most MAX_WAIT_S
 MAX_WAIT_S = 30.0
-TIMEOUT_S = 60.0  # a connection that sends nothing for this long is a failure
 MAX_ATTEMPTS = 100  # requests for one body at most, however each moved forward
 CHUNK = 1 << 22
 
@@ -58,6 +58,28 @@ def join(base: str, name: str) -> str:
 
 def dirname(url: str) -> str:
     return os.path.dirname(url) if scheme(url) == "local" else url.rsplit("/", 1)[0]
+
+
+def shard_urls(urls: str) -> list[str]:
+    """Brace patterns, URLs and `pipe:` commands as webdataset expands them; a folder: the shards under it,
+    found recursively (as lucidrains' DALLE-pytorch took `--image_text_folder SHARD_FOLDER`), in an object store
+    too (s3://bucket/shards/)."""
+    if scheme(urls) == "fsspec" and urls.endswith("/"):
+        found = list_shards(urls)
+        if not found:
+            raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
+        return found
+    if os.path.isdir(urls):
+        found = sorted(
+            os.path.join(d, f)
+            for d, _, files in os.walk(urls)
+            for f in files
+            if f.endswith((".tar", ".tar.gz", ".tgz"))
+        )
+        if not found:
+            raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
+        return found
+    return sorted(expand_urls(urls))
 
 
 def list_shards(url: str) -> list[str]:
@@ -127,8 +149,8 @@ def copy(url: str, out, retries: int = RETRIES, backoff: float = BACKOFF_S) -> N
         return
     if kind == "pipe":
         return _run_pipe(url, out)
-    body = _Body(out)
-    get = _http_get if kind == "http" else _fsspec_get
+    body = Body(out)
+    get = http_get if kind == "http" else _fsspec_get
     failures = attempts = 0
     while True:
         got = body.size
@@ -136,43 +158,17 @@ def copy(url: str, out, retries: int = RETRIES, backoff: float = BACKOFF_S) -> N
         try:
             get(url, body)
             return
-        except _Final as e:
+        except Final as e:
             raise ShardError(url, str(e)) from None
-        except _Retry as e:
+        except Retry as e:
             why = str(e)
         except Exception as e:  # noqa: BLE001 - any other failure of a transfer is retried, then one line
-            why = _why(e) if kind == "http" else _fsspec_why(e)
+            why = http_why(e) if kind == "http" else _fsspec_why(e)
         failures = 0 if body.size > got else failures + 1  # a transfer that moved forward is not a failure
         if failures > retries or attempts > MAX_ATTEMPTS:
             where = f" (after {body.size} bytes)" if body.size else ""
             raise ShardError(url, f"{why}{where}, still failing after {attempts - 1} retries") from None
         time.sleep(min(backoff * 2 ** max(failures - 1, 0), MAX_WAIT_S))
-
-
-class _Body:
-    """What the requests for one body have received (written to `out`), its length, its version's validator."""
-
-    def __init__(self, out):
-        self.out, self.size = out, 0
-        self.total: int | None = None
-        self.validator: str | None = None
-
-    def append(self, chunk: bytes) -> None:
-        self.out.write(chunk)
-        self.size += len(chunk)
-
-    def restart(self, total: int | None, validator: str | None) -> None:
-        self.out.seek(0)
-        self.out.truncate()
-        self.size, self.total, self.validator = 0, total, validator
-
-
-class _Final(Exception):
-    pass
-
-
-class _Retry(Exception):
-    pass
 
 
 def _run_pipe(url: str, out) -> None:
@@ -198,7 +194,7 @@ def _fs(url: str):
         raise ShardError(url, f"no filesystem for this URL ({e}){hint}") from None
 
 
-def _fsspec_get(url: str, body: _Body) -> None:
+def _fsspec_get(url: str, body: Body) -> None:
     """One attempt at the rest of `url` from body.size on: a fresh handle, seeked to the byte reached."""
     fs, path = _fs(url)
     try:
@@ -208,7 +204,7 @@ def _fsspec_get(url: str, body: _Body) -> None:
         total = info.get("size")
         if body.size and (validator, total) != (body.validator, body.total):
             body.restart(total, validator)  # the object changed between attempts: from its start again
-            raise _Retry("the object changed while it was read")
+            raise Retry("the object changed while it was read")
         if not body.size:
             body.restart(total, validator)
         with fs.open(path, "rb", block_size=CHUNK) as f:
@@ -216,9 +212,9 @@ def _fsspec_get(url: str, body: _Body) -> None:
             while chunk := f.read(CHUNK):
                 body.append(chunk)
     except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        raise _Final(_fsspec_why(e)) from None
+        raise Final(_fsspec_why(e)) from None
     if body.total is not None and body.size < body.total:
-        raise _Retry(f"the read was cut at byte {body.size} of {body.total}")
+        raise Retry(f"the read was cut at byte {body.size} of {body.total}")
 
 
 def _fsspec_why(e: BaseException) -> str:
@@ -237,49 +233,3 @@ def _fsspec_why(e: BaseException) -> str:
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
-
-
-# ---------------------------------------------------------------------------------------------------- http(s)
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-\d+/(\d+|\*)")
-
-
-def _http_get(url: str, body: _Body) -> None:
-    """One request for the bytes of `url` from body.size on, appended as they arrive. After a cut the request
-    asks for the rest only (Range: bytes=N-, If-Range: the first answer's ETag or Last-Modified), so a flaky
-    server costs the bytes lost, and a file replaced meanwhile is read again from its start. 4xx answers (but 408
-    and 429) are final: retrying a missing file does not make it appear."""
-    start = body.size
-    headers = {"Range": f"bytes={start}-"} if start else {}
-    if start and body.validator:
-        headers["If-Range"] = body.validator
-    try:
-        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and start and body.total in (None, start):  # nothing after the byte reached: the end
-            return
-        if 400 <= e.code < 500 and e.code not in (408, 429):
-            raise _Final(f"HTTP {e.code} {e.reason}") from None
-        raise _Retry(f"HTTP {e.code} {e.reason}") from None
-    with response:
-        length = response.headers.get("Content-Length")
-        validator = response.headers.get("ETag") or response.headers.get("Last-Modified")
-        if response.status == 206:
-            match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
-            total = int(match.group(2)) if match and match.group(2) != "*" else None
-            if not match or int(match.group(1)) != start or (total is not None and total != body.total):
-                body.restart(None, None)  # another part, or another version of the file: from the start again
-                raise _Retry(f"the server answered the range from byte {start} with {match and match.group(0)}")
-        else:  # the whole body: the first answer, or the server ignored the range (or the file changed)
-            body.restart(int(length) if length is not None else None, validator)
-        while chunk := response.read(1 << 20):
-            body.append(chunk)
-    if body.total is not None and body.size < body.total:
-        raise _Retry(f"the response was cut at byte {body.size} of {body.total}")
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
-        return f"cannot connect ({e.reason})"
-    if isinstance(e, http.client.IncompleteRead):
-        return "the response was cut mid-transfer"
-    return str(e) or type(e).__name__

@@ -18,21 +18,21 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import random
 import warnings
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
-from webdataset.shardlists import expand_urls
 
 from . import shard_plan
 from .folders import image_transform
 from .samples import Skip, caption_lines, image_of
 from .shard_cache import Prefetcher, ShardCache, default_folder
 from .shard_index import UNREADABLE, count_shards
-from .shards import RETRIES, ShardError, open_shard
-from .storage import BACKOFF_S, list_shards, scheme
+from .shard_plan import Plan
+from .shards import RETRIES, Shard, ShardError, open_shard
+from .storage import scheme, shard_urls  # noqa: F401 - shard_urls: the stream's API
 
 REASONS = ("unreadable_shard", "missing_from_shard", "missing_key", "bad_image", "bad_caption")
 WARNINGS_PER_REASON = 5  # per process; the rest are counted (the run's metrics) but not shown
@@ -55,19 +55,6 @@ class StreamOptions:
     cache: str = ""  # the folder remote shards are kept in ("": a folder under the system's temporary one)
     cache_gb: float = 20.0
     fetchers: int = 4  # concurrent fetches ahead, per DataLoader worker
-
-
-@dataclass
-class Plan:
-    """This epoch's part for the ranks (shard_plan.py): `ranges` of the epoch's order, cut into ranks x workers
-    streams of whole batches; every rank has already taken `consumed` batches of it."""
-
-    epoch: int
-    ranges: list[tuple[int, int]]
-    ranks: int
-    workers: int
-    batch: int
-    consumed: int = 0
 
 
 class WebDatasetPairs(torch.utils.data.IterableDataset):
@@ -158,45 +145,45 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             shard_plan.worker_batches(plan.consumed, role, workers),
         )  # fmt: skip
         order = shard_plan.EpochOrder(self._counts(), self.seed, plan.epoch, self.options.shuffle_block)
+        with closing(self._items(order, mine)) as items:
+            for i, j, shard in items:
+                if isinstance(shard, DataError):  # a whole batch of it: drop_last never drops it
+                    for _ in range(plan.batch):
+                        yield shard
+                    return
+                if shard is None:
+                    yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
+                elif j >= len(shard):
+                    why = f"{shard.url}: no sample {j} (the shard changed since it was counted)"
+                    yield self._skip("missing_from_shard", why)
+                else:
+                    yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
+
+    def _items(self, order: shard_plan.EpochOrder, mine: shard_plan.Ranges):
+        """(shard, sample, that shard opened) for every item of `mine`: the shards of the block being read are open
+        together (an unreadable one: None, or the DataError that stops the run), those from elsewhere fetched
+        ahead into the cache, this block's and the next one's; each block's are closed when the stream leaves it."""
         pieces = list(order.pieces(mine))
         blocks = [b for k, (b, _, _) in enumerate(pieces) if k == 0 or pieces[k - 1][0] != b]
         fetch = None
         if self.cache is not None:
             remote = [[self.shards[i] for i in order.blocks[b] if scheme(self.shards[i]) != "local"] for b in blocks]
-            fetch = Prefetcher(self.cache, remote, self.options.fetchers)
-        open_: dict[int, object] = {}  # the current block's shards: a Shard, or None (unreadable)
+            fetch = Prefetcher(self.cache, remote, self.options.fetchers, self.retries)
+        opened: dict[int, object] = {}
         entered = -1
         try:
             for b, start, stop in pieces:
                 if entered < 0 or blocks[entered] != b:
                     entered += 1
-                    for shard in open_.values():
-                        if shard is not None:
-                            shard.close()
-                    open_.clear()
+                    _close(opened)
                     if fetch is not None:
-                        fetch.enter(entered, self.retries, BACKOFF_S)
+                        fetch.enter(entered)
                 for i, j in order.items([(start, stop)]):
-                    if i not in open_:
-                        shard = self._open(i, fetch)
-                        if isinstance(shard, DataError):  # a whole batch of it: drop_last never drops it
-                            for _ in range(plan.batch):
-                                yield shard
-                            return
-                        open_[i] = shard
-                    shard = open_[i]
-                    if shard is None:
-                        yield self._skip("unreadable_shard", f"{self.shards[i]}: the shard could not be read")
-                    elif j >= len(shard):
-                        yield self._skip(
-                            "missing_from_shard", f"{shard.url}: no sample {j} (the shard changed since it was counted)"
-                        )
-                    else:
-                        yield self._decode(shard.read(j), f"{self.seed}/{plan.epoch}/{i}/{j}")
+                    if i not in opened:
+                        opened[i] = self._open(i, fetch)
+                    yield i, j, opened[i]
         finally:
-            for shard in open_.values():
-                if shard is not None:
-                    shard.close()
+            _close(opened)
             if fetch is not None:
                 fetch.close()
 
@@ -293,6 +280,13 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         return out
 
 
+def _close(opened: dict) -> None:
+    for shard in opened.values():
+        if isinstance(shard, Shard):
+            shard.close()
+    opened.clear()
+
+
 def _too_many(bad: int, total: int, allowed: int, example: str, url: str = "", why: str = "") -> str:
     if why:  # this rank's own finding, with its reason (a wrong key, a missing bucket: every shard's)
         return f"{bad} of {total} shards could not be read, more than --max_bad_shards {allowed}; {url}: {why}"
@@ -300,25 +294,3 @@ def _too_many(bad: int, total: int, allowed: int, example: str, url: str = "", w
         f"{bad} of {total} shards could not be read, more than --max_bad_shards {allowed} (e.g. {example}): "
         "fix or drop them, or raise --max_bad_shards"
     )
-
-
-def shard_urls(urls: str) -> list[str]:
-    """Brace patterns, URLs and `pipe:` commands as webdataset expands them; a folder: the shards under it,
-    found recursively (as lucidrains' DALLE-pytorch took `--image_text_folder SHARD_FOLDER`), in an object store
-    too (s3://bucket/shards/)."""
-    if scheme(urls) == "fsspec" and urls.endswith("/"):
-        found = list_shards(urls)
-        if not found:
-            raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
-        return found
-    if os.path.isdir(urls):
-        found = sorted(
-            os.path.join(d, f)
-            for d, _, files in os.walk(urls)
-            for f in files
-            if f.endswith((".tar", ".tar.gz", ".tgz"))
-        )
-        if not found:
-            raise FileNotFoundError(f"no WebDataset shards (.tar, .tar.gz) under {urls}")
-        return found
-    return sorted(expand_urls(urls))
