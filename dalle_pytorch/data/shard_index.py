@@ -24,9 +24,9 @@ VERSION = 1
 
 def read_index(path: str) -> dict[str, int]:
     """The index at `path` (a file or an object store URL); {} where there is none yet."""
-    if not path or not storage.exists(path):
-        return {}
     try:
+        if not path or not storage.exists(path):
+            return {}
         index = json.loads(storage.read_bytes(path))
         return {str(k): int(v) for k, v in index["samples"].items()}
     except ShardError as e:
@@ -110,7 +110,7 @@ def _count(url: str, retries: int, say: Callable[[str], None], cache=None, why=N
 
 def _stats_count(url: str) -> int | None:
     """img2dataset's count of the samples it wrote into the shard, from NAME_stats.json beside NAME.tar."""
-    if not url.endswith(".tar") or url.startswith("pipe:"):
+    if not url.endswith(".tar") or storage.scheme(url) == "pipe":
         return None
     stats_url = url[: -len(".tar")] + "_stats.json"
     try:

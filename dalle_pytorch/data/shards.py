@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from .storage import BACKOFF_S, RETRIES, ShardError, local_path, read_bytes  # noqa: F401 - RETRIES, ShardError: the shard's API
@@ -39,13 +40,13 @@ class Shard:
     def read(self, index: int) -> dict:
         """Sample `index`: {"__key__": key, extension: bytes, ...}."""
         out = {"__key__": self.keys[index]}
-        for ext, (offset, size) in self.samples[index].items():
-            if self.data is not None:
+        if self.data is not None:
+            for ext, (offset, size) in self.samples[index].items():
                 out[ext] = self.data[offset : offset + size]
-            else:
-                if self._file is None:
-                    self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
-                out[ext] = os.pread(self._file.fileno(), size, offset)
+            return out
+        with nullcontext(self._file) if self._file is not None else open(self.path, "rb") as f:
+            for ext, (offset, size) in self.samples[index].items():
+                out[ext] = os.pread(f.fileno(), size, offset)
         return out
 
     def close(self) -> None:
@@ -68,26 +69,34 @@ def open_shard(url: str, retries: int = RETRIES, backoff: float = BACKOFF_S, cac
 
 def _open(url: str, retries: int, backoff: float, cache) -> Shard:
     local = local_path(url)
-    if local is None and cache is not None:
-        local = cache.get(url, retries, backoff)  # whole, decompressed, kept open until this shard is closed
-        return _in_place(url, local.path, local.file)
-    if local is None:
-        return shard_from_bytes(url, read_bytes(url, retries, backoff))
-    if not os.path.exists(local):
-        raise ShardError(url, "no such file")
-    with open(local, "rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    if gzipped:
+    if local is not None:
+        if not os.path.exists(local):
+            raise ShardError(url, "no such file")
         with open(local, "rb") as f:
-            return shard_from_bytes(url, f.read())
-    return _in_place(url, local)
+            gzipped = f.read(2) == b"\x1f\x8b"
+        if not gzipped:
+            with open(local, "rb") as f:  # read in place: each sample's bytes when it is read
+                return _in_place(url, local, f, keep=False)
+    if cache is None:  # in memory (counting a shard, reading captions)
+        return shard_from_bytes(url, read_bytes(url, retries, backoff))
+    cached = cache.get(url, retries, backoff)  # whole, decompressed, held open until this shard is closed
+    try:
+        shard = _in_place(url, cached.path, cached.file, keep=True)
+    except BaseException:
+        cached.file.close()
+        cache.discard(url)  # damaged as fetched: fetched again next time
+        raise
+    if shard.truncated_at is not None:
+        cache.discard(url)  # its complete samples are read now; the next use fetches it again
+    return shard
 
 
-def _in_place(url: str, path: str, file=None) -> Shard:
-    """A tar on this machine read where it is: only the headers now, each sample's bytes when it is read."""
-    file = file or open(path, "rb")  # noqa: SIM115 - closed by Shard.close()
+def _in_place(url: str, path: str, file, keep: bool) -> Shard:
+    """A tar on this machine read where it is: only the headers now, each sample's bytes when it is read, from
+    `file` when `keep` (a cached shard: held against eviction), else from `path` opened for each read (a block of
+    many local shards holds no file descriptors)."""
     samples, keys, cut = _parse(lambda offset, n: os.pread(file.fileno(), n, offset), os.fstat(file.fileno()).st_size)
-    return Shard(url, samples, keys, path=path, truncated_at=cut, _file=file)
+    return Shard(url, samples, keys, path=path, truncated_at=cut, _file=file if keep else None)
 
 
 def gunzip_into(src, dest) -> None:

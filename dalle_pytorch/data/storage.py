@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import tempfile
 import time
 
 from webdataset.shardlists import expand_urls
@@ -29,11 +30,21 @@ CHUNK = 1 << 22
 
 
 class ShardError(Exception):
-    """Data that could not be read at all: `url` and why, in one line."""
+    """Data that could not be read at all: `url` (its query and user part left out: a presigned URL's signature)
+    and why, in one line."""
 
     def __init__(self, url: str, why: str):
-        super().__init__(f"{url}: {why}")
-        self.url, self.why = url, why
+        super().__init__(f"{redact(url)}: {why}")
+        self.url, self.why = redact(url), why
+
+
+def redact(url: str) -> str:
+    """`url` without what may hold a secret: its query (?X-Amz-Signature=...) and user part (user:pass@)."""
+    if "://" not in url or url.startswith("pipe:"):
+        return url
+    scheme_, rest = url.split("://", 1)
+    host, sep, path = rest.partition("/")
+    return f"{scheme_}://{host.rsplit('@', 1)[-1]}{sep}{path.split('?', 1)[0]}"
 
 
 def scheme(url: str) -> str:
@@ -84,11 +95,13 @@ def shard_urls(urls: str) -> list[str]:
 
 def list_shards(url: str) -> list[str]:
     """The .tar and .tar.gz files under an object store's prefix, as URLs, sorted."""
-    fs, path = _fs(url)
     try:
+        fs, path = _fs(url)
         found = fs.find(path)
-    except Exception as e:  # noqa: BLE001
-        raise FileNotFoundError(f"{url}: {_fsspec_why(e)}") from None
+    except ShardError as e:
+        raise FileNotFoundError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - one line: why the folder cannot be listed
+        raise FileNotFoundError(f"{redact(url)}: {_fsspec_why(e)}") from None
     protocol = url.split("://", 1)[0]
     return sorted(f"{protocol}://{p}" for p in found if p.endswith((".tar", ".tar.gz", ".tgz")))
 
@@ -100,13 +113,18 @@ def exists(url: str) -> bool:
     if kind == "fsspec":
         fs, path = _fs(url)
         try:
-            return fs.exists(path)
-        except Exception:  # noqa: BLE001 - unreachable counts as absent here; reading it says why
+            fs.info(path)
+        except FileNotFoundError:
             return False
+        except Exception as e:  # noqa: BLE001 - a store that cannot say is not a missing file
+            raise ShardError(url, _fsspec_why(e)) from None
+        return True
     try:
         read_bytes(url, retries=0)
-    except ShardError:
-        return False
+    except ShardError as e:
+        if e.why.startswith("HTTP 404") or e.why.startswith("HTTP 410") or kind == "pipe":
+            return False
+        raise
     return True
 
 
@@ -160,6 +178,8 @@ def copy(url: str, out, retries: int = RETRIES, backoff: float = BACKOFF_S) -> N
             return
         except Final as e:
             raise ShardError(url, str(e)) from None
+        except ShardError:
+            raise  # no filesystem for the URL: final
         except Retry as e:
             why = str(e)
         except Exception as e:  # noqa: BLE001 - any other failure of a transfer is retried, then one line
@@ -172,11 +192,14 @@ def copy(url: str, out, retries: int = RETRIES, backoff: float = BACKOFF_S) -> N
 
 
 def _run_pipe(url: str, out) -> None:
-    proc = subprocess.Popen(url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    while chunk := proc.stdout.read(CHUNK):
-        out.write(chunk)
-    err = proc.stderr.read().decode(errors="replace").strip().splitlines()
-    if proc.wait() != 0:
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a chatty command cannot block on it
+        proc = subprocess.Popen(url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=stderr)
+        while chunk := proc.stdout.read(CHUNK):
+            out.write(chunk)
+        proc.wait()
+        stderr.seek(0)
+        err = stderr.read().decode(errors="replace").strip().splitlines()
+    if proc.returncode != 0:
         raise ShardError(url, f"the command exited with {proc.returncode}: {err[-1] if err else 'no message'}")
 
 

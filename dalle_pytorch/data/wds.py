@@ -82,7 +82,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         self.options = options = options or StreamOptions()
         self.rank, self.world_size, self.seed, self.retries = rank, world_size, seed, options.retries
         self.max_bad_shards = options.max_bad_shards if options.max_bad_shards >= 0 else len(self.shards) // 100
-        self.remote = any(scheme(u) != "local" for u in self.shards)
+        self.remote = any(_cached(u) for u in self.shards)
         self._cache: ShardCache | None = None
         self.counts: list[int] | None = None
         self.plan: Plan | None = None
@@ -113,7 +113,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
     def order_id(self) -> str:
         """What the epochs' order depends on (the seed, the shards' counts, the shuffle block), as a short digest: a
         plan saved for another order cannot be continued (shards moved elsewhere with their counts can)."""
-        key = [self.seed, self._counts()] + ([self.options.shuffle_block] if self.options.shuffle_block > 1 else [])
+        key = ["blocks", self.seed, self._counts(), self.options.shuffle_block]  # "blocks": the order since 2026-12
         return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:16]
 
     @property
@@ -167,7 +167,7 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
         blocks = [b for k, (b, _, _) in enumerate(pieces) if k == 0 or pieces[k - 1][0] != b]
         fetch = None
         if self.cache is not None:
-            remote = [[self.shards[i] for i in order.blocks[b] if scheme(self.shards[i]) != "local"] for b in blocks]
+            remote = [[self.shards[i] for i in order.blocks[b] if _cached(self.shards[i])] for b in blocks]
             fetch = Prefetcher(self.cache, remote, self.options.fetchers, self.retries)
         opened: dict[int, object] = {}
         entered = -1
@@ -278,6 +278,12 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
                 "could be read to train the BPE on: see the warnings above)"
             )
         return out
+
+
+def _cached(url: str) -> bool:
+    """Whether shard `url` is read through the disk cache: fetched from elsewhere, or gzipped (decompressed there:
+    a block of them is not held in memory)."""
+    return scheme(url) != "local" or url.endswith((".gz", ".tgz"))
 
 
 def _close(opened: dict) -> None:

@@ -71,8 +71,8 @@ def stream_plan(dataset, cfg, backend, pos, say=print) -> Plan:
     whole = [(0, dataset.num_samples)]
     if saved and (saved.get("samples"), saved.get("order")) != (layout["samples"], layout["order"]):
         say(
-            f"the shards, their counts or --seed are not those of the checkpoint ({layout['samples']} samples now, "
-            f"{saved.get('samples')} then): epoch {pos.epoch} starts over"
+            f"the shards, their counts, --seed or --shuffle_block are not those of the checkpoint "
+            f"({layout['samples']} samples now, {saved.get('samples')} then): epoch {pos.epoch} starts over"
         )
         ranges, consumed = whole, 0
     elif not saved or all(saved[k] == layout[k] for k in ("ranks", "workers", "batch")):

@@ -81,20 +81,27 @@ def test_a_failed_fetch_leaves_no_shard_and_a_cut_one_is_resumed_whole(tmp_path,
         shard.close()
 
 
-def test_the_least_recently_used_shards_are_evicted_past_the_limit(tmp_path):
-    export_wds(str(tmp_path), 40, image_size=16, per_shard=8)
+def test_the_least_recently_used_shards_are_evicted_past_the_limit_but_never_one_being_read(tmp_path):
+    export_wds(str(tmp_path), 48, image_size=16, per_shard=8)
     size = os.path.getsize(tmp_path / "shard-000000.tar")
     cache = ShardCache(str(tmp_path / "cache"), 2.5 * size / 2**30)
     with Nginx(str(tmp_path)) as nginx:
-        urls = [nginx.url(f"shard-{i:06d}.tar") for i in range(5)]
+        urls = [nginx.url(f"shard-{i:06d}.tar") for i in range(6)]
         for url in urls[:2]:
             cache.get(url).file.close()
         os.utime(cache.path_of(urls[1]), (1, 1))  # shard 1 last used long ago; shard 0 just now
-        with pytest.warns(UserWarning, match="evicts shards in use: .* raise --shard_cache_gb"):
-            for url in urls[2:4]:  # shard 0, used a moment ago, goes too: said once
-                cache.get(url).file.close()
+        for url in urls[2:4]:
+            cache.get(url).file.close()
+        assert sorted(u for u in urls if os.path.exists(cache.path_of(u))) == sorted(urls[2:4])  # 1, then 0, out
+        held = [cache.get(url) for url in urls[4:6]]  # being read: 4 shards, 2 of them held
+        os.utime(cache.path_of(urls[4]), (1, 1))  # the oldest, yet held: kept
+        with pytest.warns(UserWarning, match="holds .* GB of shards in use, more than --shard_cache_gb"):
+            held.append(cache.get(urls[0]))  # 3 held, more than the limit: said, and nothing held removed
         kept = sorted(u for u in urls if os.path.exists(cache.path_of(u)))
-    assert kept == sorted([urls[3], urls[2]])  # 2 shards fit: the oldest (1), then 0, evicted
+    assert kept == sorted([urls[0], urls[4], urls[5]])
+    assert all(len(open_shard(u, cache=cache)) == 8 for u in kept)
+    for cached in held:
+        cached.file.close()
 
 
 def _get(folder: str, url: str, out) -> None:
