@@ -75,7 +75,7 @@ def run_fit(fit, ns: argparse.Namespace, *configs):
         from distributed.ray_launcher import run_on_ray
 
         if cfg.mlflow:  # the workers run elsewhere: the tracking store this process would use
-            from dalle_pytorch.training.mlflow_log import absolute_uri
+            from dalle_pytorch.training.trackers.mlflow_run import absolute_uri
 
             cfg.mlflow = absolute_uri(cfg.mlflow)
 

@@ -13,7 +13,7 @@ from ..config import flag
 from ..data.storage import RETRIES
 from ..data.wds import SHUFFLE_BLOCK, StreamOptions
 from .ema import check_decay
-from .mlflow_log import DEFAULT_URI as DEFAULT_MLFLOW_URI
+from .trackers.mlflow_run import DEFAULT_URI as DEFAULT_MLFLOW_URI
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_DECAYS = ("cosine", "exponential", "linear", "constant")

@@ -1,5 +1,5 @@
 """The run directory: where it is, its record (config.json, and config.yaml: the flags, for --config), what it
-logs (metrics.jsonl, train.log, TensorBoard events, wandb, MLflow), samples/, checkpoints/.
+logs (metrics.jsonl, train.log, and to the trackers: TensorBoard, wandb, MLflow), samples/, checkpoints/.
 
 Only rank 0 writes; the other ranks get an object whose methods do nothing, so callers never branch.
 """
@@ -17,27 +17,16 @@ import torch
 
 
 class RunDir:
-    def __init__(
-        self,
-        path: str,
-        is_main: bool,
-        tensorboard: bool = True,
-        wandb_project: str | None = None,
-        wandb_entity="",
-        mlflow: str = "",
-        mlflow_experiment: str = "dalle-pytorch",
-        resumed: bool = False,
-    ):
+    def __init__(self, path: str, is_main: bool, trackers=None, resumed: bool = False):
+        """`trackers(path, continue_run, say)`: the run's trackers (trackers.open_trackers), started on rank 0;
+        `resumed`: the tracked runs go on (as they do on a worker that an elastic run makes rank 0 later)."""
         self.path = path
         self.is_main = False
         self.samples = os.path.join(path, "samples")
         self.checkpoints = os.path.join(path, "checkpoints")
-        self._tensorboard, self._wandb_project, self._wandb_entity = tensorboard, wandb_project, wandb_entity or None
-        self._mlflow_uri, self._mlflow_experiment, self._resumed = mlflow, mlflow_experiment, resumed
-        self._tb = None
+        self._open_trackers, self._resumed = trackers, resumed
+        self._trackers: list = []
         self._log = None
-        self._wandb = None
-        self._mlflow = None
         self._started = False  # becoming rank 0 after this: an elastic takeover
         self.config: dict = {}
         if is_main:
@@ -53,31 +42,12 @@ class RunDir:
         os.makedirs(self.samples, exist_ok=True)
         os.makedirs(self.checkpoints, exist_ok=True)
         self._log = open(os.path.join(self.path, "train.log"), "a", buffering=1)
-        if self._mlflow_uri:
-            from .mlflow_log import MLflowRun
-
-            # a resumed run, or an elastic run's new rank 0, goes on in the same MLflow run
-            self._mlflow = MLflowRun(
-                self.path, self._mlflow_uri, self._mlflow_experiment, self._resumed or self._started, self.print
-            )
-            if self.config:
-                self._mlflow.set_config(self.config)
-        if self._wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ImportError("--wandb needs the wandb package: pip install wandb (or drop --wandb)") from None
-            os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed; `wandb sync` later
-            self._wandb = wandb.init(
-                project=self._wandb_project, entity=self._wandb_entity, name=os.path.basename(self.path), dir=self.path
-            )
-        if self._tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(os.path.join(self.path, "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self._tb = None
+        if self._open_trackers is not None:
+            # a resumed run, or an elastic run's new rank 0, goes on in the same tracked run
+            self._trackers = self._open_trackers(self.path, self._resumed or self._started, self.print)
+            for tracker in self._trackers:
+                if self.config:
+                    tracker.set_config(self.config)
 
     def print(self, *parts) -> None:
         """Print on rank 0 and append to train.log."""
@@ -117,10 +87,8 @@ class RunDir:
 
     def write_config(self, config: dict) -> None:
         self.config = config
-        if self._wandb is not None:
-            self._wandb.config.update(config, allow_val_change=True)
-        if self._mlflow is not None:
-            self._mlflow.set_config(config)
+        for tracker in self._trackers:
+            tracker.set_config(config)
         if self.is_main:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True, default=str)
@@ -136,50 +104,25 @@ class RunDir:
         row = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in metrics.items()}}
         with open(os.path.join(self.path, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-        if self._mlflow is not None:
-            self._mlflow.log_metrics(step, row)
+        for tracker in self._trackers:
+            tracker.log_metrics(step, row)
 
     def log_image(self, step: int, key: str, path: str) -> None:
-        """A sample grid written to `path`, also to Weights & Biases and MLflow (under samples/) when they are on."""
-        if self._wandb is not None:
-            import wandb
-
-            self._wandb.log({key: wandb.Image(path)}, step=step)
-        if self._mlflow is not None:
-            self._mlflow.log_artifact(path, key)
+        """A sample grid written to `path`, to the trackers that take images (wandb, MLflow under samples/)."""
+        for tracker in self._trackers:
+            tracker.log_image(step, key, path)
 
     def log_artifact(self, path: str) -> None:
-        """The export, as a Weights & Biases model artifact named after the run, and for MLflow under export/ when
-        the run ends, when they are on."""
-        if self._wandb is not None:
-            import wandb
-
-            artifact = wandb.Artifact(f"{os.path.basename(self.path)}-export", type="model")
-            artifact.add_file(path)
-            self._wandb.log_artifact(artifact)
-        if self._mlflow is not None:
-            self._mlflow.keep_export(path)
+        """The export, to the trackers that keep it (a wandb model artifact; MLflow's export/ when the run ends)."""
+        for tracker in self._trackers:
+            tracker.log_artifact(path)
 
     def close(self, status: str = "FINISHED") -> None:
-        """`status`: how the run ended, for MLflow: FINISHED, FAILED, or KILLED (stopped by SIGTERM, to resume)."""
-        try:
-            if self._mlflow is not None:
-                self._mlflow.close(status)  # says its failures in train.log, before that closes
-        finally:
-            try:
-                if self._wandb is not None:
-                    self._wandb.finish()
-            finally:
-                if self._tb is not None:
-                    self._tb.close()
-                if self._log is not None:
-                    self._log.close()
+        """`status`: how the run ended, for the trackers: FINISHED, FAILED, or KILLED (stopped by SIGTERM)."""
+        for tracker in self._trackers:
+            tracker.close(status)  # each says its failures in train.log, before that closes
+        if self._log is not None:
+            self._log.close()
 
 
 def flag_sections(configs: dict) -> dict:

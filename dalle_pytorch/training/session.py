@@ -14,6 +14,7 @@ from distributed import applicable_options, make_backend, set_threads, topology_
 from ..data.build import build_text_tokenizer
 from .run_dir import RunDir
 from .signals import Stopped
+from .trackers import open_trackers
 
 
 class RanksLost(TimeoutError):
@@ -42,11 +43,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         run = RunDir(
             RunDir.path_of(cfg, default_name),
             backend.is_main,
-            cfg.tensorboard,
-            cfg.wandb_project if cfg.wandb else None,
-            cfg.wandb_entity,
-            cfg.mlflow,
-            cfg.mlflow_experiment,
+            lambda path, continue_run, say: open_trackers(cfg, path, continue_run, say),
             resumed=bool(cfg.resume),
         )
         if not recovery.world_size_may_change:  # an elastic joiner meets no startup collective (see below)

@@ -1,5 +1,6 @@
 """The trainers end to end on one process: run directory, resume, checkpoint safety, user errors."""
 
+import glob
 import json
 import math
 import os
@@ -441,8 +442,13 @@ def test_resume_with_another_vae_is_refused(vae_path, tmp_path, capsys):
 def test_wandb_offline_logging(vae_path, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    train_vae.main([*TINY_VAE, "--steps", "2", "--output_dir", str(tmp_path), "--wandb", "--sample_every", "0"])
-    assert os.path.isdir(os.path.join(tmp_path, "vae", "wandb"))
+    args = [*TINY_VAE, "--output_dir", str(tmp_path), "--wandb", "--sample_every", "0", "--save_every_n_steps", "2"]
+    train_vae.main([*args, "--steps", "2"])
+    run_id = open(os.path.join(tmp_path, "vae", "wandb_run_id")).read()
+    train_vae.main([*args, "--steps", "4", "--resume", "auto"])  # goes on in the same wandb run
+    assert open(os.path.join(tmp_path, "vae", "wandb_run_id")).read() == run_id
+    runs = glob.glob(os.path.join(tmp_path, "vae", "wandb", "offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)  # `wandb sync` joins them
 
 
 @pytest.mark.e2e

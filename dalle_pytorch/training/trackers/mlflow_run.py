@@ -9,8 +9,7 @@ made rank 0) goes on in the same MLflow run. Through MlflowClient, with the run 
 process-global "active run", which Ray's worker thread or a user's own MLflow use could disturb.
 
 A server that does not answer at start stops the run in one line; one that fails later costs one warning, and the
-run goes on without MLflow (rank 0 waiting minutes on its retries would stall every rank): the run directory has
-everything.
+run goes on without MLflow (the trackers' guard, trackers/__init__.py): the run directory has everything.
 """
 
 from __future__ import annotations
@@ -26,6 +25,12 @@ RETRIES, TIMEOUT_S = "2", "20"
 
 
 class MLflowRun:
+    @classmethod
+    def from_config(cls, cfg, run_path: str, continue_run: bool, say):
+        if not cfg.mlflow:
+            return None
+        return cls(run_path, cfg.mlflow, cfg.mlflow_experiment, continue_run, say)
+
     def __init__(self, run_path: str, uri: str, experiment: str, continue_run: bool, say=print):
         try:
             from mlflow import MlflowClient
@@ -37,6 +42,7 @@ class MLflowRun:
         self._say = say
         self._client = MlflowClient(None if uri == DEFAULT_URI else uri)
         self.uri = self._client.tracking_uri
+        self.label = f"MLflow at {self.uri}"
         _probe(self.uri)
         id_file = os.path.join(run_path, RUN_ID_FILE)
         previous = _read(id_file) if continue_run else None
@@ -66,7 +72,6 @@ class MLflowRun:
             f.write(self.run_id)
         self._params_pending: dict | None = None
         self._export: str | None = None
-        self._broken = False
 
     def set_config(self, config: dict) -> None:
         """The run's config (config.json's dict); logged as parameters with the first metrics."""
@@ -82,39 +87,23 @@ class MLflowRun:
             if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)
         ]
 
-        def log():
-            self._log_params()
-            for i in range(0, len(metrics), 1000):  # the REST API takes at most 1000 metrics per batch
-                self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
+        self._log_params()
+        for i in range(0, len(metrics), 1000):  # the REST API takes at most 1000 metrics per batch
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
 
-        self._guard(f"the metrics of step {step}", log)
+    def log_image(self, step: int, key: str, path: str) -> None:
+        self._client.log_artifact(self.run_id, path, key)
 
-    def log_artifact(self, path: str, folder: str) -> None:
-        self._guard(f"uploading {path}", lambda: self._client.log_artifact(self.run_id, path, folder))
-
-    def keep_export(self, path: str) -> None:
+    def log_artifact(self, path: str) -> None:
         """The export, uploaded under export/ when the run ends (it is rewritten at every checkpoint)."""
         self._export = path
 
     def close(self, status: str) -> None:
         """FINISHED, FAILED, or KILLED (SIGTERM: saved, to be resumed)."""
         if status != "FAILED" and self._export and os.path.exists(self._export):
-            self.log_artifact(self._export, "export")
-        self._guard("the run's end", self._log_params)
-        self._guard("the run's end", lambda: self._client.set_terminated(self.run_id, status))
-
-    def _guard(self, what: str, call) -> None:
-        """Run an MLflow call; the first failure is said once and turns MLflow off for the rest of the run."""
-        if self._broken:
-            return
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - the tracker is not worth the run: it goes on, its files have all
-            self._broken = True
-            self._say(
-                f"warning: MLflow at {self.uri} failed on {what} ({type(e).__name__}: {_first_line(e)}); the run goes "
-                "on without MLflow (metrics.jsonl, samples/ and the export are in the run directory)"
-            )
+            self._client.log_artifact(self.run_id, self._export, "export")
+        self._log_params()
+        self._client.set_terminated(self.run_id, status)
 
     def _log_params(self) -> None:
         """The config's leaves as parameters; a resumed run logs only those it did not have (MLflow's parameters
