@@ -1,5 +1,5 @@
 """Serve a trained DALLE over HTTP: the models load once; a JSON API and a web page; requests that arrive
-together share their decode steps (dalle_pytorch/inference/serving.py).
+together share their decode steps (dalle_pytorch/inference/batcher.py).
 
     python serve.py --dalle_path runs/dalle/dalle.safetensors                    # http://127.0.0.1:8000/
     python serve.py --dalle_path dalle.safetensors --clip_path clip.safetensors --port 8080 --max_batch 32
@@ -16,7 +16,7 @@ import argparse
 
 def build_parser() -> argparse.ArgumentParser:
     from dalle_pytorch.config import FileParser, add_flags
-    from dalle_pytorch.inference.service import ServeConfig
+    from dalle_pytorch.inference.http_app import ServeConfig
 
     p = FileParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, ServeConfig, "serving")
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     from dalle_pytorch.config import take
     from dalle_pytorch.errors import user_errors
-    from dalle_pytorch.inference.service import ServeConfig, load_app
+    from dalle_pytorch.inference.http_app import ServeConfig, load_app
 
     ns = build_parser().parse_args(argv)
     with user_errors(ns.debug):

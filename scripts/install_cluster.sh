@@ -2,7 +2,7 @@
 # What the cluster tests (tests/cluster/) need beside .venv: Debian's SLURM, munge, OpenSSH and Open MPI, and
 # mpi4py built against that Open MPI (it tells every rank under mpirun where rank 0 is); nginx for the tests that
 # stream shards over HTTP (tests/http_shards.py starts its own on 127.0.0.1); chromium and its driver for the
-# page test of serve.py (tests/inference/test_service.py). Needs root and apt;
+# page test of serve.py (tests/inference/test_http_app.py). Needs root and apt;
 # `make test` runs it when it is root. Idempotent: installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -23,9 +23,9 @@ import torch
 
 from ..compat.flags import top_k_arg
 from ..config import flag
+from .batcher import Batcher, Settings
 from .export import WEIGHTS
 from .pipeline import SamplingConfig, best_of
-from .serving import Batcher, Settings
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 FIELDS = ("text", "num_images", "seed", "temperature", "top_k", "top_p", "cond_scale", "keep")
@@ -214,8 +214,9 @@ def make_app(cfg: ServeConfig, dalle, vae, tokenizer, clip=None, clip_tokenizer=
             order, ranked = await asyncio.to_thread(best_of, clip, clip_tokenizer, req.text, images, req.keep)
             images, seeds, scores = images[order], [seeds[i] for i in order.tolist()], ranked.tolist()
         commands = [req.command(cfg.dalle_path, s, cfg.weights) for s in seeds]
+        encoded = await asyncio.to_thread(lambda: [png(im) for im in images])  # one large answer holds no other
         return {
-            "images": [png(im) for im in images],
+            "images": encoded,
             "scores": [None if s is None else round(s, 5) for s in scores],
             "seeds": seeds,
             "seed": req.seed,

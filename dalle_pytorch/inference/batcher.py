@@ -12,6 +12,7 @@ come first served. No training, no distributed: a model on one device."""
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -51,7 +52,8 @@ class Batcher:
             raise ValueError(f"--max_batch must be >= 1 and --max_wait >= 0 (got {max_batch}, {max_wait})")
         self.dalle, self.vae, self.max_batch, self.max_wait = dalle, vae, max_batch, max_wait
         self.device = next(dalle.parameters()).device
-        self.batches: list[int] = []  # image rows of each batch run, for the tests and the bench
+        self.batches: collections.deque[int] = collections.deque(maxlen=1000)  # rows of the recent batches
+        self.batches_run = 0  # since the start
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._held: list[Job] = []  # taken from the queue, waiting for a round with their settings
         self._thread = threading.Thread(target=self._run, name="dalle-batcher", daemon=True)
@@ -115,6 +117,7 @@ class Batcher:
             text = torch.cat([j.text.expand(len(j.seeds), -1) for j in jobs]).to(self.device)
             generators = [torch.Generator(self.device).manual_seed(s) for j in jobs for s in j.seeds]
             self.batches.append(len(generators))
+            self.batches_run += 1
             s = jobs[0].settings
             tokens = generate_image_tokens(
                 self.dalle, text, generator=generators, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
