@@ -11,6 +11,8 @@ import fsspec
 import pytest
 from s3_server import READER, READER_BUCKET, s3_server  # noqa: F401  (the fixture)
 
+pytestmark = pytest.mark.e2e  # a server start: ~10 s
+
 
 def test_objects_survive_a_kill_and_a_restart(s3_server):  # noqa: F811
     data = os.urandom(300_000)
