@@ -8,7 +8,9 @@ run directory and the DALLE export, so generation always uses the tokenizer trai
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from contextlib import contextmanager
 
 from .chinese import ChineseTokenizer
 from .clip_bpe import ClipTokenizer
@@ -67,7 +69,8 @@ class YttmTokenizer(Tokenizer):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write("\n".join(c.lower() for c in captions))
         try:
-            yttm.BPE.train(data=f.name, model=path, vocab_size=vocab_size, n_threads=1)
+            with _stdout_silenced():  # its C++ writes ~20 lines of progress to the process's stdout
+                yttm.BPE.train(data=f.name, model=path, vocab_size=vocab_size, n_threads=1)
         finally:
             os.unlink(f.name)
         return cls.from_file(path)
@@ -148,3 +151,17 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted(kinds)}")
     options = {k: v for k, v in d.items() if k in ("lowercase", "offset")}  # a converted predecessor's variants
     return kinds[d["kind"]](d["data"], **options)
+
+
+@contextmanager
+def _stdout_silenced():
+    """File descriptor 1 to /dev/null meanwhile (what C++ code prints does not pass through sys.stdout)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -52,6 +52,12 @@ class SamplingConfig:
         cfg = dalle.cfg
         vocabulary = cfg.num_image_tokens if vocabulary is None else vocabulary
         top_k = top_k_count(self.top_k, cfg.num_text_tokens + cfg.num_image_tokens, vocabulary, say)
+        if self.cond_scale != 1 and not getattr(cfg, "null_cond_prob", 0):
+            say(
+                f"warning: --cond_scale {self.cond_scale:g} on a DALLE trained without --null_cond_prob: it never "
+                "learned to sample without its caption, so guidance pushes from an unconditioned mode it does not "
+                "have; train with --null_cond_prob 0.1 (or sample with --cond_scale 1)"
+            )
         return {"temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "cond_scale": self.cond_scale}
 
 

@@ -178,7 +178,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
             parts.recovery.commit(pos)
     vote.close()
     for line in window.summary.lines():
-        run.print(line)
+        run.print(line, console=not cfg.quiet)  # --quiet: in train.log only
     hooks.on_end(pos.step)
     if bar is not None:
         bar.close()

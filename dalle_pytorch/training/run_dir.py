@@ -49,12 +49,13 @@ class RunDir:
                 if self.config:
                     tracker.set_config(self.config)
 
-    def print(self, *parts) -> None:
-        """Print on rank 0 and append to train.log."""
+    def print(self, *parts, console: bool = True) -> None:
+        """Print on rank 0 (unless not `console`: --quiet) and append to train.log."""
         if not self.is_main:
             return
         line = " ".join(str(p) for p in parts)
-        print(line, flush=True)
+        if console:
+            print(line, flush=True)
         self._log.write(line + "\n")
 
     @staticmethod

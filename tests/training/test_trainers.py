@@ -563,3 +563,19 @@ def test_validation_during_training_on_every_trainer(vae_path, tmp_path):
         [*TINY_VAE, "--image_folder", folder, "--steps", "2", "--output_dir", str(tmp_path / "v"), *val, *frac]
     )
     assert [r["step"] for r in _metrics(tmp_path / "v" / "vae") if "val_loss" in r] == [2]
+
+
+@pytest.mark.e2e
+def test_quiet_prints_nothing_but_errors_and_guidance_without_dropout_is_said(vae_path, tmp_path, capfd):
+    """--quiet: neither YouTokenToMe's BPE log (C++, on file descriptor 1) nor the per-rank table reach the
+    console (the table is in train.log); --cond_scale on a DALLE trained without --null_cond_prob warns."""
+    import generate
+
+    args = [*tiny_dalle(vae_path), "--tokenizer", "yttm", "--steps", "2", "--output_dir", str(tmp_path)]
+    export = train_dalle.main([*args, "--sample_every", "0"])
+    out = capfd.readouterr().out
+    assert "vocab" not in out.lower() and "per-rank summary" not in out, out
+    assert "per-rank summary" in open(os.path.join(tmp_path, "dalle", "train.log")).read()
+    generate.main(["--dalle_path", export, "--text", "a red circle", "--num_images", "1", "--cond_scale", "2",
+                   "--outputs_dir", str(tmp_path / "out")])  # fmt: skip
+    assert "--cond_scale 2 on a DALLE trained without --null_cond_prob" in capfd.readouterr().out
