@@ -44,10 +44,10 @@ from dalle_pytorch.files import fingerprint
 from dalle_pytorch.models.dalle import DALLE, DALLEConfig
 from dalle_pytorch.models.openai_dvae import OpenAIDiscreteVAE, OpenAIDVAEConfig
 from dalle_pytorch.models.vae import DiscreteVAE, VAEConfig
-from dalle_pytorch.training.batches import batches
+from dalle_pytorch.training.batches import Where, batches
 from dalle_pytorch.training.dalle_task import DALLETask
 from dalle_pytorch.training.encode import encode_shards
-from dalle_pytorch.training.loop import Position, param_groups
+from dalle_pytorch.training.loop import param_groups
 
 CPU = torch.device("cpu")
 
@@ -147,13 +147,13 @@ class Stream:
     def __init__(self, dataset, task, opt, batch: int, workers: int, seed: int):
         cfg = SimpleNamespace(batch_size=batch, num_workers=workers, seed=seed)
         backend = SimpleNamespace(world_size=1, rank=0, device=CPU)
-        self.batches = batches(dataset, cfg, backend, Position(), say=quiet)
+        self.batches = batches(dataset, cfg, backend, Where(), say=quiet)
         self.task, self.opt = task, opt
         self.times: list[tuple[float, float, float]] = []
 
     def step(self, keep: bool = True) -> None:
         t0 = time.perf_counter()
-        batch = next(self.batches)
+        batch, _ = next(self.batches)
         t1 = time.perf_counter()
         batch = self.task.prepare_batch(batch, CPU)
         t2 = time.perf_counter()

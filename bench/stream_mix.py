@@ -35,8 +35,7 @@ from PIL import Image
 
 from dalle_pytorch.data.shapes import COLORS, sample
 from dalle_pytorch.data.wds import SHUFFLE_BLOCK, StreamOptions, WebDatasetPairs
-from dalle_pytorch.training.batches import batches
-from dalle_pytorch.training.loop import Position
+from dalle_pytorch.training.batches import Where, batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,10 +82,10 @@ def mix(out: str, batch: int = 16, labels: int = 10, shards: int = 40, per_shard
         ds.count()
         cfg = SimpleNamespace(batch_size=batch, num_workers=2, seed=0)
         backend = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
-        run = batches(ds, cfg, backend, Position())
+        run = batches(ds, cfg, backend, Where())
         steps = shards * per_shard // batch
         t = time.perf_counter()
-        shares = [largest_share([int(c.split()[1]) for c in next(run)[1]], batch) for _ in range(steps)]
+        shares = [largest_share([int(c.split()[1]) for c in next(run)[0][1]], batch) for _ in range(steps)]
         rate = steps / (time.perf_counter() - t)
         share = statistics.mean(shares)
         per_block = max(block, per_shard) // per_shard if block < shards * per_shard else shards

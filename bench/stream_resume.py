@@ -35,7 +35,7 @@ from dalle_pytorch.data.shapes import sample
 from dalle_pytorch.data.shard_index import read_index
 from dalle_pytorch.data.shards import open_shard
 from dalle_pytorch.data.wds import WebDatasetPairs
-from dalle_pytorch.training.batches import batches, stream_plan
+from dalle_pytorch.training.batches import Where, batches, stream_plan
 from dalle_pytorch.training.loop import Position
 
 SIZE = 256
@@ -112,9 +112,8 @@ def saved_position(urls, index, cfg, backend, done: int) -> Position:
     epoch's start, and the samples consumed since (over all ranks)."""
     dataset = WebDatasetPairs(urls, "jpg,txt", SIZE, resize_ratio=0.75, seed=cfg.seed)
     dataset.count(index, say=quiet)
-    pos = Position()
-    stream_plan(dataset, cfg, backend, pos, say=quiet)
-    return Position(step=done, samples_in_epoch=done * cfg.batch_size * backend.world_size, stream=pos.stream)
+    _, where = stream_plan(dataset, cfg, backend, Where(), say=quiet)
+    return Position(step=done, samples_in_epoch=done * cfg.batch_size * backend.world_size, stream=where.stream)
 
 
 def first_batch(urls, index, cfg, backend, pos: Position):
@@ -122,8 +121,8 @@ def first_batch(urls, index, cfg, backend, pos: Position):
     t = time.perf_counter()
     dataset = WebDatasetPairs(urls, "jpg,txt", SIZE, resize_ratio=0.75, seed=cfg.seed)
     dataset.count(index, say=quiet)
-    stream = batches(dataset, cfg, backend, copy.deepcopy(pos), say=quiet)
-    batch = next(stream)
+    stream = batches(dataset, cfg, backend, copy.deepcopy(pos).data, say=quiet)
+    batch, _ = next(stream)
     dt = time.perf_counter() - t
     stream.close()  # the DataLoader's workers stop here, outside the timing
     return dt, batch
@@ -133,10 +132,10 @@ def uninterrupted_batch(urls, index, cfg, backend, done: int):
     """Batch `done` + 1 of an uninterrupted run from the epoch's start (reads the `done` batches before it)."""
     dataset = WebDatasetPairs(urls, "jpg,txt", SIZE, resize_ratio=0.75, seed=cfg.seed)
     dataset.count(index, say=quiet)
-    stream = batches(dataset, cfg, backend, Position(), say=quiet)
+    stream = batches(dataset, cfg, backend, Where(), say=quiet)
     for _ in range(done):
         next(stream)
-    batch = next(stream)
+    batch, _ = next(stream)
     stream.close()
     return batch
 

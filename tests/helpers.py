@@ -65,3 +65,12 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def read_batches(dataset, cfg, backend, pos, say=print):
+    """batches() as the loop reads them: each batch, with `pos` (a loop Position) moved to where the data stands."""
+    from dalle_pytorch.training.batches import batches
+
+    for batch, where in batches(dataset, cfg, backend, pos.data, say):
+        pos.moved_to(where)
+        yield batch

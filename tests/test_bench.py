@@ -15,4 +15,4 @@ def test_gpu_script_dry_run(tmp_path):
     table = (tmp_path / "gpu.txt").read_text() if (tmp_path / "gpu.txt").exists() else ""
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     rows = table.strip().splitlines()[1:]
-    assert len(rows) == 13 and all(" ok " in r for r in rows), table
+    assert len(rows) == 15 and all(" ok " in r for r in rows), table  # with the evaluation and the VQGAN rows

@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-import torch
-
+from .stream import is_stream
 from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
 
 
@@ -50,13 +49,13 @@ def build_dataset(
 
 
 def describe(dataset) -> str:
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        return f"{len(dataset.shards)} WebDataset shards, {dataset.num_samples} samples"
+    if is_stream(dataset):
+        return dataset.describe()
     return f"{len(dataset)} samples"
 
 
 def _captions(dataset, limit: int = 20000) -> list[str]:
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    if is_stream(dataset):
         return dataset.captions(limit)
     return [
         dataset.caption(i) if hasattr(dataset, "caption") else dataset[i][1] for i in range(min(len(dataset), limit))

@@ -161,3 +161,40 @@ def remaining(ranges: Ranges, ranks: int, workers: int, batch: int, consumed: in
         left += stream_ranges(ranges, s, streams, batch, worker_batches(consumed, s % workers, workers))
     left += cut(ranges, streams * n, length(ranges))
     return merge(left)
+
+
+def replan(saved: dict, layout: dict, epoch: int, samples_in_epoch: int, say=print) -> tuple[Plan, dict, int]:
+    """This epoch's plan for a layout, from what a checkpoint recorded of it (`saved`: {} at an epoch's start):
+    the saved plan, continued where every rank stopped, when the layout (ranks, workers, batch) is the same;
+    what it had left, planned anew, when not; the whole epoch when the data's order changed. `layout`: ranks,
+    workers, batch, samples and order (the stream's order_id). Returns (the plan, the record of it for the next
+    checkpoint, the samples of it consumed)."""
+    whole = [(0, layout["samples"])]
+    ranks, workers, batch = layout["ranks"], layout["workers"], layout["batch"]
+    if saved and (saved.get("samples"), saved.get("order")) != (layout["samples"], layout["order"]):
+        say(
+            f"the shards, their counts, --seed or --shuffle_block are not those of the checkpoint "
+            f"({layout['samples']} samples now, {saved.get('samples')} then): epoch {epoch} starts over"
+        )
+        ranges, consumed = whole, 0
+    elif not saved or all(saved[k] == layout[k] for k in ("ranks", "workers", "batch")):
+        ranges = [tuple(r) for r in saved["ranges"]] if saved else whole
+        consumed = samples_in_epoch // (batch * ranks)
+    else:
+        ranges = remaining(
+            [tuple(r) for r in saved["ranges"]], saved["ranks"], saved["workers"], saved["batch"],
+            samples_in_epoch // (saved["batch"] * saved["ranks"]),
+        )  # fmt: skip
+        consumed = 0
+        say(
+            f"epoch {epoch} was streamed to {saved['ranks']} ranks x {saved['workers']} workers with batch "
+            f"{saved['batch']}: its {length(ranges)} samples left go to {ranks} ranks x {workers} workers with "
+            f"batch {batch}"
+        )
+    if ranges == whole and stream_length(whole, ranks * workers, batch) == 0:
+        raise ValueError(
+            f"the data yielded no batch: check the dataset and --batch_size ({layout['samples']} samples are fewer "
+            f"than a batch of {batch} for each of {ranks} ranks x {workers} workers)"
+        )
+    record = {**layout, "ranges": [list(r) for r in ranges]}
+    return Plan(epoch, ranges, ranks, workers, batch, consumed), record, samples_in_epoch if consumed else 0

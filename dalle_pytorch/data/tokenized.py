@@ -10,6 +10,7 @@ import multiprocessing
 
 import torch
 
+from .stream import Stream, is_stream
 from .tokenizer import Tokenizer
 
 
@@ -37,18 +38,37 @@ class TokenizedCaptions(torch.utils.data.Dataset):
 
 
 class TokenizedStream(torch.utils.data.IterableDataset):
-    """The streamed (WebDataset) counterpart of TokenizedCaptions; answers for its stream (set_plan, the counts)
-    and passes what is not a sample (a skipped one's None, a worker's error) through."""
+    """The streamed (WebDataset) counterpart of TokenizedCaptions: a Stream (data/stream.py) that answers for the
+    one it wraps, and passes what is not a sample (a skipped one's None, a worker's error) through."""
 
-    def __init__(self, base, tokenizer: Tokenizer, text_seq_len: int, truncate: bool = True):
+    def __init__(self, base: Stream, tokenizer: Tokenizer, text_seq_len: int, truncate: bool = True):
         self.base = base
         self._tok = TokenizedCaptions([], tokenizer, text_seq_len, truncate)
         self.truncated = self._tok.truncated
 
-    def __getattr__(self, name):  # set_plan, num_samples, skip_counts, ...: the stream's
-        if name in ("base", "_tok"):
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    @property
+    def num_samples(self) -> int:
+        return self.base.num_samples
+
+    @property
+    def order_id(self) -> str:
+        return self.base.order_id
+
+    @property
+    def num_skipped(self) -> int:
+        return self.base.num_skipped
+
+    def set_plan(self, plan) -> None:
+        self.base.set_plan(plan)
+
+    def data_counts(self) -> dict[str, int]:
+        return self.base.data_counts()
+
+    def captions(self, limit: int) -> list[str]:
+        return self.base.captions(limit)
+
+    def describe(self) -> str:
+        return self.base.describe()
 
     def __iter__(self):
         for item in self.base:
@@ -57,7 +77,7 @@ class TokenizedStream(torch.utils.data.IterableDataset):
 
 def tokenized(dataset, tokenizer: Tokenizer, text_seq_len: int):
     """The dataset with its captions tokenized, streamed or indexed like `dataset`."""
-    wrap = TokenizedStream if isinstance(dataset, torch.utils.data.IterableDataset) else TokenizedCaptions
+    wrap = TokenizedStream if is_stream(dataset) else TokenizedCaptions
     return wrap(dataset, tokenizer, text_seq_len)
 
 

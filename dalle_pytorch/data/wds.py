@@ -128,7 +128,10 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
             self.count()
         return self.counts
 
-    # ------------------------------------------------------------------ the stream
+    def describe(self) -> str:
+        return f"{len(self.shards)} WebDataset shards, {self.num_samples} samples"
+
+    # ------------------------------------------------------------------ the stream (data/stream.py's contract)
     def set_plan(self, plan: Plan) -> None:
         self.plan = plan
 

@@ -30,6 +30,7 @@ import torch
 from torchvision.utils import save_image
 
 from ..data.build import build_dataset
+from ..data.stream import is_stream
 from ..inference.image_tokenizers import load_image_tokenizer
 from ..inference.load import load_dalle, pick_device
 from ..inference.pipeline import best_of, candidate_images, load_reranker
@@ -44,7 +45,7 @@ def validation_pairs(folder: str, wds: str, image_size: int, n: int, captions: b
         raise ValueError(f"--num_images must be at least {MIN_IMAGES}: the Inception Score's splits (got {n})")
     where = dict(rank=0, world_size=1, seed=0, dataset_size=0, folder_flag="--image_text_folder")
     data = build_dataset(folder, wds, captions, image_size, 3, 1.0, **where)
-    if isinstance(data, torch.utils.data.IterableDataset):
+    if is_stream(data):
         data.count(say=warnings.warn)  # a validation set: counted here, no index kept
         pairs = list(itertools.islice((item for item in data if isinstance(item, tuple)), n))
     else:

@@ -3,10 +3,14 @@ step count."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..data import shard_plan
-from ..data.wds import DataError, Plan
+from ..data.shard_plan import Plan
+from ..data.stream import Stream, is_stream
+from ..data.wds import DataError
 
 
 class ShardedSampler(torch.utils.data.Sampler):
@@ -52,7 +56,7 @@ def total_steps(cfg, dataset, world_size: int) -> int:
     """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream: its counted samples)."""
     if cfg.steps:
         return cfg.steps
-    if isinstance(dataset, torch.utils.data.IterableDataset):  # every rank's workers: streams of equal length
+    if is_stream(dataset):  # every rank's workers: streams of equal length
         workers = max(cfg.num_workers, 1)
         per_rank = shard_plan.stream_length([(0, dataset.num_samples)], world_size * workers, cfg.batch_size) * workers
     else:
@@ -60,44 +64,13 @@ def total_steps(cfg, dataset, world_size: int) -> int:
     return cfg.epochs * max(per_rank // cfg.batch_size // cfg.accumulation_steps(world_size), 1)
 
 
-def stream_plan(dataset, cfg, backend, pos, say=print) -> Plan:
-    """This epoch's plan for a stream (data/shard_plan.py), from the position: the checkpoint's plan, continued
-    where every rank stopped when the layout (ranks, workers, batch size) is the same; what it had left, planned
-    again, when not. `pos.stream` records the plan, `pos.samples_in_epoch` the samples of it consumed."""
-    workers = max(cfg.num_workers, 1)
-    layout = {"ranks": backend.world_size, "workers": workers, "batch": cfg.batch_size, "samples": dataset.num_samples,
-              "order": dataset.order_id}  # fmt: skip
-    saved = pos.stream or {}
-    whole = [(0, dataset.num_samples)]
-    if saved and (saved.get("samples"), saved.get("order")) != (layout["samples"], layout["order"]):
-        say(
-            f"the shards, their counts, --seed or --shuffle_block are not those of the checkpoint "
-            f"({layout['samples']} samples now, {saved.get('samples')} then): epoch {pos.epoch} starts over"
-        )
-        ranges, consumed = whole, 0
-    elif not saved or all(saved[k] == layout[k] for k in ("ranks", "workers", "batch")):
-        ranges = [tuple(r) for r in saved["ranges"]] if saved else whole
-        consumed = pos.samples_in_epoch // (cfg.batch_size * backend.world_size)
-    else:
-        ranges = shard_plan.remaining(
-            [tuple(r) for r in saved["ranges"]], saved["ranks"], saved["workers"], saved["batch"],
-            pos.samples_in_epoch // (saved["batch"] * saved["ranks"]),
-        )  # fmt: skip
-        consumed = 0
-        say(
-            f"epoch {pos.epoch} was streamed to {saved['ranks']} ranks x {saved['workers']} workers with batch "
-            f"{saved['batch']}: its {shard_plan.length(ranges)} samples left go to {backend.world_size} ranks x "
-            f"{workers} workers with batch {cfg.batch_size}"
-        )
-    if consumed == 0:
-        pos.samples_in_epoch = 0
-    if ranges == whole and shard_plan.stream_length(whole, backend.world_size * workers, cfg.batch_size) == 0:
-        raise ValueError(
-            f"the data yielded no batch: check the dataset and --batch_size ({dataset.num_samples} samples are "
-            f"fewer than a batch of {cfg.batch_size} for each of {backend.world_size} ranks x {workers} workers)"
-        )
-    pos.stream = {**layout, "ranges": [list(r) for r in ranges]}
-    return Plan(pos.epoch, ranges, backend.world_size, workers, cfg.batch_size, consumed)
+def stream_plan(dataset: Stream, cfg, backend, at: Where, say=print) -> tuple[Plan, Where]:
+    """This epoch's plan for a stream at `at` (data/shard_plan.replan), and where the data then stands: the plan
+    recorded in `stream`, `samples_in_epoch` of it consumed."""
+    layout = {"ranks": backend.world_size, "workers": max(cfg.num_workers, 1), "batch": cfg.batch_size,
+              "samples": dataset.num_samples, "order": dataset.order_id}  # fmt: skip
+    plan, record, consumed = shard_plan.replan(at.stream, layout, at.epoch, at.samples_in_epoch, say)
+    return plan, Where(at.epoch, consumed, record)
 
 
 def _collate(items: list):
@@ -113,10 +86,20 @@ def _collate(items: list):
     return torch.utils.data.default_collate([kept[i % len(kept)] for i in range(len(items))])
 
 
-def batches(dataset, cfg, backend, pos, say=print):
-    """This rank's batches from `pos` on, forever, epoch after epoch; advances `pos.epoch` and
-    `pos.samples_in_epoch` (counted over all ranks) as it yields."""
-    streamed = isinstance(dataset, torch.utils.data.IterableDataset)  # split among ranks and workers by its plan
+@dataclass(frozen=True)
+class Where:
+    """Where the data stands: the epoch, its samples consumed by all ranks together (of a stream: of its plan),
+    and a stream's plan for this epoch (shard_plan.replan's record; {} before one is made)."""
+
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    stream: dict = field(default_factory=dict)
+
+
+def batches(dataset, cfg, backend, start: Where, say=print):
+    """This rank's batches from `start` on, forever, epoch after epoch, each with where the data stands after
+    it (the loop keeps that in its position: this generator changes nothing it was given)."""
+    streamed = is_stream(dataset)  # split among ranks and workers by its plan
     per_step = cfg.batch_size * backend.world_size
     sampler = None
     if not streamed:
@@ -134,13 +117,15 @@ def batches(dataset, cfg, backend, pos, say=print):
         generator=torch.Generator().manual_seed(cfg.seed + backend.rank),
         multiprocessing_context="fork" if cfg.num_workers > 0 else None,
     )
+    at = Where(start.epoch, start.samples_in_epoch, dict(start.stream))
     last = None  # the last batch read whole enough to train on
     while True:
-        whole_epoch = pos.samples_in_epoch == 0 and not pos.stream
+        whole_epoch = at.samples_in_epoch == 0 and not at.stream
         if streamed:  # resumes exactly at the next unseen sample, without reading the ones before it
-            dataset.set_plan(stream_plan(dataset, cfg, backend, pos, say))
+            plan, at = stream_plan(dataset, cfg, backend, at, say)
+            dataset.set_plan(plan)
         else:
-            sampler.set_position(pos.epoch, pos.samples_in_epoch)
+            sampler.set_position(at.epoch, at.samples_in_epoch)
         good, owed = False, 0
         for batch in loader:
             if isinstance(batch, DataError):
@@ -154,9 +139,9 @@ def batches(dataset, cfg, backend, pos, say=print):
                 good = True
             last = batch
             for _ in range(owed + 1):
-                pos.samples_in_epoch += per_step
-                yield batch
+                at = Where(at.epoch, at.samples_in_epoch + per_step, at.stream)
+                yield batch, at
             owed = 0
         if (whole_epoch and not good) or owed:
             raise ValueError("the data yielded no batch: check the dataset and --batch_size")
-        pos.epoch, pos.samples_in_epoch, pos.stream = pos.epoch + 1, 0, {}
+        at = Where(at.epoch + 1, 0, {})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..data.stream import is_stream
 from ..data.tokenizer import Tokenizer
 from ..inference.export import save_export
 from ..models.clip import CLIP
@@ -25,7 +26,7 @@ class CLIPTask:
         self.gather = gather
         grid = clip.cfg.image_size // clip.cfg.patch_size
         self.tokens_per_sample = clip.cfg.text_seq_len + grid * grid
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+        if is_stream(dataset):
             self._fixed = None  # a stream has no fixed pairs to draw
         else:
             pairs = [dataset[i] for i in range(min(num_fixed, len(dataset)))]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.build import build_dataset, describe
+from ..data.stream import is_stream
 from .session import add_up
 from .validation import Split
 
@@ -52,7 +53,7 @@ def datasets(spec: DataSpec, cfg, backend, run) -> DataSets:
         rank=backend.rank, world_size=backend.world_size, seed=cfg.seed, dataset_size=cfg.dataset_size,
         folder_flag=spec.folder_flag, stream=cfg.stream_options(),
     )  # fmt: skip
-    if isinstance(train, torch.utils.data.IterableDataset):
+    if is_stream(train):
         index = cfg.shards_index or os.path.join(run.path, "shards.json")
         train.count(index, lambda counts: add_up(backend, counts), run.print)
     run.print(f"data: {describe(train)} from {spec.folder or 'the built-in synthetic dataset'}")
@@ -77,7 +78,7 @@ def held_out(cfg, backend, dataset, spec: DataSpec):
     if cfg.val_fraction:
         if not 0 < cfg.val_fraction < 1:
             raise ValueError(f"--val_fraction must be between 0 and 1 (got {cfg.val_fraction:g})")
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+        if is_stream(dataset):
             raise ValueError(f"--val_fraction needs indexed samples, not streamed shards: give {flag}")
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         k = max(1, round(len(dataset) * cfg.val_fraction))

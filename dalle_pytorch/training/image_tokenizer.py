@@ -8,10 +8,9 @@ import os
 import time
 from collections.abc import Mapping
 
-import torch
-
 from distributed import topology_from_env
 
+from ..data.stream import is_stream
 from ..data.tokenized import PrecomputedTokens, precompute_tokens
 from ..files import atomic_save, safe_load
 from ..inference.image_tokenizers import load_image_tokenizer as chosen_tokenizer
@@ -37,7 +36,7 @@ def check_same_tokenizer(record: dict, vae_id: str, vae_flag: str) -> None:
 
 def precomputed(dataset, vae, vae_id: str, run, backend) -> PrecomputedTokens:
     """Image tokens of the whole dataset, computed once on rank 0 and cached in the run directory."""
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    if is_stream(dataset):
         raise ValueError(
             "--precompute_tokens needs a caption folder or the built-in dataset, not streamed --wds shards"
         )

@@ -17,7 +17,8 @@ import torch
 
 from distributed import Workload
 
-from .batches import ShardedSampler, batches, total_steps
+from ..data.stream import is_stream
+from .batches import ShardedSampler, Where, batches, total_steps
 from .checkpoints import resolve_resume, save_checkpoint
 from .ema import EMA
 from .fid_check import FidCheck
@@ -35,12 +36,20 @@ class Position:
     step: int = 0
     epoch: int = 0
     samples_in_epoch: int = 0  # samples of this epoch (of a stream: of its plan) consumed, by all ranks together
-    stream: dict = field(default_factory=dict)  # a stream's plan for this epoch (batches.stream_plan)
+    stream: dict = field(default_factory=dict)  # a stream's plan for this epoch (shard_plan.replan's record)
+
+    @property
+    def data(self) -> Where:
+        return Where(self.epoch, self.samples_in_epoch, self.stream)
+
+    def moved_to(self, where: Where) -> None:
+        """Where the data stands after the batch just read (the batch generator says; the loop keeps it)."""
+        self.epoch, self.samples_in_epoch, self.stream = where.epoch, where.samples_in_epoch, where.stream
 
 
 def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
     """Train `task` with `backend` as `cfg` (a TrainConfig) says; returns where training stopped."""
-    streamed = isinstance(task.dataset, torch.utils.data.IterableDataset)
+    streamed = is_stream(task.dataset)
     if streamed and recovery.world_size_may_change:
         raise ValueError(
             "streamed WebDataset shards are split among the ranks when the run starts, so an elastic run cannot "
@@ -106,7 +115,7 @@ def train_steps(parts: Parts, pos: Position) -> Position:
         f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
         f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
     )
-    data = batches(task.dataset, cfg, backend, pos, run.print)
+    data = batches(task.dataset, cfg, backend, pos.data, run.print)
     window = MetricWindow(backend, task, run, cfg, total)
     vote = StopVote(parts.stop, backend)
     ctx = HookContext(task.name, backend.rank, backend.world_size, backend.is_main, run.path, total, task.model)
@@ -127,7 +136,8 @@ def train_steps(parts: Parts, pos: Position) -> Position:
                 hooks.before_step(pos.step)
             for micro in range(accum):
                 with clock.waiting():
-                    raw = next(data)
+                    raw, where = next(data)
+                pos.moved_to(where)
                 with clock.own():
                     batch = task.prepare_batch(raw, backend.device)
                 with backend.accumulate(model, sync=micro == accum - 1):

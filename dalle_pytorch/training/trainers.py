@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
-
 from ..data.samples import CODES_KEY
+from ..data.stream import is_stream
 from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
@@ -165,7 +164,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig,
             run.print(f"started from {run_cfg.dalle_path} (weights only: a new optimizer and schedule)")
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
-        streamed = isinstance(pairs, torch.utils.data.IterableDataset)
+        streamed = is_stream(pairs)
         if streamed and pairs.image_key == CODES_KEY:  # token shards (python -m dalle_pytorch.training.encode)
             check_codes(run_cfg.image_text_folder, vae_id)
         elif streamed and run_cfg.precompute_tokens:

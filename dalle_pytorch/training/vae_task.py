@@ -9,6 +9,7 @@ from collections import deque
 import torch
 from torchvision.utils import save_image
 
+from ..data.stream import is_stream
 from ..inference.export import save_export
 from ..models.vae import DiscreteVAE, codebook_stats
 from ..models.vq_tokenizer import VQGANLoss
@@ -37,7 +38,7 @@ class VAETask:
             self.temp_start, self.temp_end, self.anneal_steps, self.temp_kind = temperature
             self._last_tau = self.temp_start
         self._codes = deque(maxlen=usage_window)  # hard codes of the last N micro-batches
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+        if is_stream(dataset):
             readable = (item for item in dataset if isinstance(item, tuple))  # not a skipped sample's None
             first = [image for image, _ in itertools.islice(readable, num_sample_images)]
         else:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import read_batches
 from http_shards import CuttingProxy, Nginx
 
 from dalle_pytorch.data import storage
@@ -17,7 +18,6 @@ from dalle_pytorch.data.shapes_export import export_wds
 from dalle_pytorch.data.shard_cache import ShardCache
 from dalle_pytorch.data.shards import ShardError, open_shard
 from dalle_pytorch.data.wds import StreamOptions, WebDatasetPairs
-from dalle_pytorch.training.batches import batches
 from dalle_pytorch.training.loop import Position
 
 pytestmark = pytest.mark.skipif(not Nginx.available(), reason="needs Debian's nginx (make install-cluster)")
@@ -34,7 +34,7 @@ def _epochs(urls, cache: str, workers: int, steps: int):
     ds.count(os.path.join(cache + "-index.json"))  # as a run keeps its shards.json
     cfg = SimpleNamespace(batch_size=4, num_workers=workers, seed=1)
     backend = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
-    run = batches(ds, cfg, backend, Position())
+    run = read_batches(ds, cfg, backend, Position())
     return [next(run) for _ in range(steps)]
 
 

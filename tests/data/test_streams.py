@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import read_batches
 from PIL import Image
 
 from dalle_pytorch.data import shard_plan, wds
 from dalle_pytorch.data.wds import StreamOptions, WebDatasetPairs
-from dalle_pytorch.training.batches import batches
 from dalle_pytorch.training.loop import Position
 
 
@@ -127,12 +127,12 @@ def test_resume_at_the_same_layout_gives_the_uninterrupted_batches(tmp_path, wor
     paths = write_shards(tmp_path, 5, [7, 6, 9, 5, 8], size=12)
     cfg, backend = _setup(1, 0, workers, batch=3)
     pos = Position()
-    run = batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, pos)
+    run = read_batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, pos)
     for _ in range(5):
         next(run)
     saved = _copy(pos)
     rest = [next(run) for _ in range(10)]  # 10 or 11 batches an epoch: into epoch 1
-    resumed = batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, saved)
+    resumed = read_batches(_dataset(paths, resize_ratio=0.6, block=block), cfg, backend, saved)
     for (img_a, cap_a), (img_b, cap_b) in zip(rest, (next(resumed) for _ in range(10)), strict=True):
         assert cap_a == cap_b
         assert torch.equal(img_a, img_b)
@@ -140,7 +140,7 @@ def test_resume_at_the_same_layout_gives_the_uninterrupted_batches(tmp_path, wor
 
 
 def _captions(ds, cfg, backend, pos, steps: int) -> list[str]:
-    run = batches(ds, cfg, backend, pos)
+    run = read_batches(ds, cfg, backend, pos)
     return [c for _ in range(steps) for c in next(run)[1]]
 
 
@@ -163,7 +163,7 @@ def test_resume_on_another_world_size_sees_every_sample_once(tmp_path, block):
     assert pos.epoch == 0 and pos.stream["ranks"] == 1
     keys = [f"s{s}-{i}" for s, n in enumerate([10, 12, 8, 9, 11, 14]) for i in range(n)]
     assert sorted(seen) == sorted(keys)
-    assert next(batches(ds, cfg, backend, pos)) and pos.epoch == 1  # the next epoch starts on the new layout
+    assert next(read_batches(ds, cfg, backend, pos)) and pos.epoch == 1  # the next epoch starts on the new layout
 
 
 @pytest.mark.parametrize("block, shards", [(1, 1), (12, 2)])
@@ -173,13 +173,13 @@ def test_a_resume_opens_only_the_shards_it_reads(tmp_path, monkeypatch, block, s
     paths = write_shards(tmp_path, 10, 6)
     cfg, backend = _setup(1, 0, 0)
     pos = Position()
-    run = batches(_dataset(paths, block=block), cfg, backend, pos)
+    run = read_batches(_dataset(paths, block=block), cfg, backend, pos)
     for _ in range(26):  # 52 of 60 samples
         next(run)
     opened = []
     real = wds.open_shard
     monkeypatch.setattr(wds, "open_shard", lambda url, *a, **k: opened.append(url) or real(url, *a, **k))
-    next(batches(_dataset(paths, block=block), cfg, backend, _copy(pos)))
+    next(read_batches(_dataset(paths, block=block), cfg, backend, _copy(pos)))
     assert len(opened) == shards
 
 
@@ -222,7 +222,7 @@ def test_every_bad_sample_is_said_and_counted_and_no_batch_is_the_last_line(tmp_
     ds.count()
     cfg, backend = _setup(1, 0, 0)
     with pytest.warns(UserWarning, match=said), pytest.raises(ValueError, match="the data yielded no batch"):
-        next(batches(ds, cfg, backend, Position()))
+        next(read_batches(ds, cfg, backend, Position()))
     assert ds.skip_counts()[reason] == 8
 
 
@@ -249,13 +249,13 @@ def test_a_shard_that_changed_since_it_was_counted_is_said_and_counts_as_bad(tmp
     write_shards(tmp_path, 1, [2])  # shard 0 rewritten with 2 samples
     cfg, backend = _setup(1, 0, 0)
     with pytest.warns(UserWarning, match=r"shard-0000.tar holds 2 samples, its index 4: it changed since it was"):
-        run = batches(ds, cfg, backend, Position())
+        run = read_batches(ds, cfg, backend, Position())
         got = [c for _ in range(6) for c in next(run)[1]]  # the epoch's 6 batches, 2 samples of shard 0 missing
     assert len(got) == 12 and len(set(got)) == 10 and ds.skip_counts()["missing_from_shard"] == 2
     strict = WebDatasetPairs(paths, "png,txt", 8, options=StreamOptions(max_bad_shards=0))
     strict.count(str(tmp_path / "index.json"))  # the old counts, from the index
     with pytest.raises(wds.DataError, match=r"1 of 3 shards could not be read, more than --max_bad_shards 0"):
-        run = batches(strict, cfg, backend, Position())
+        run = read_batches(strict, cfg, backend, Position())
         for _ in range(6):  # the epoch's batches: shard 0 is among them
             next(run)
 
@@ -268,7 +268,7 @@ def test_a_batch_of_skipped_samples_still_takes_its_step(tmp_path):
     ds = _dataset(paths)
     cfg, backend = _setup(1, 0, 0)
     pos = Position()
-    run = batches(ds, cfg, backend, pos)
+    run = read_batches(ds, cfg, backend, pos)
     with pytest.warns(UserWarning, match="skipping an unreadable"):
         for step in range(1, 7):  # the epoch's 6 batches of 2
             assert len(next(run)[1]) == 2 and pos.samples_in_epoch == 2 * step and pos.epoch == 0
