@@ -11,7 +11,7 @@ import fsspec
 import pytest
 from s3_server import READER, READER_BUCKET, s3_server  # noqa: F401  (the fixture)
 
-pytestmark = pytest.mark.e2e  # a server start: ~10 s
+pytestmark = pytest.mark.slow  # a server start, ~12 s: what tests/data/test_s3_streams.py uses of it is tested there
 
 
 def test_objects_survive_a_kill_and_a_restart(s3_server):  # noqa: F811
