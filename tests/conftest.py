@@ -23,10 +23,12 @@ torch.set_num_threads(1)
 
 # DeepSpeed variants whose path another variant of the same test covers in `make test` (ZeRO-1 shares ZeRO-2's
 # code; ZeRO-3 is the hardest case of recomputation, sharded writes and the EMA; the HTTP shards case of the
-# predecessor's DeepSpeed commands reads what the tar case does, and more): 15-24 s each on 2 cores, they run in
-# `make test-all` and keep `make test` under its 30 minutes.
+# predecessor's DeepSpeed commands reads what the tar case does, and more; ZeRO-2 with accumulation and ZeRO-3
+# without stay): 15-24 s each on 2 cores, they run in `make test-all` and keep `make test` under its 30 minutes.
 SLOW_VARIANTS = {
     "tests/launchers/test_launchers.py::test_two_ranks_equal_one_process[no-accum-deepspeed-1]",
+    "tests/launchers/test_launchers.py::test_two_ranks_equal_one_process[accum2-deepspeed-1]",
+    "tests/launchers/test_launchers.py::test_two_ranks_equal_one_process[no-accum-deepspeed-2]",
     "tests/launchers/test_launchers.py::test_ema_on_two_ranks_equals_one_process[deepspeed-2]",
     "tests/models/test_checkpointing.py::test_two_ranks_with_recomputation_equal_one_process_without[deepspeed-0]",
     "tests/models/test_checkpointing.py::test_two_ranks_with_recomputation_equal_one_process_without"
