@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
+from http_shards import _answers  # the same loopback probe nginx's helper uses
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
@@ -99,14 +100,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:

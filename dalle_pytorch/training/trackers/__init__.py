@@ -29,6 +29,15 @@ class Tracker(Protocol):
     def close(self, status: str) -> None: ...  # FINISHED, FAILED, or KILLED (SIGTERM: saved, to be resumed)
 
 
+def read_run_id(path: str) -> str | None:
+    """The tracked run's id a run directory keeps (mlflow_run_id, wandb_run_id), or None before its first start."""
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 def open_trackers(cfg, run_path: str, continue_run: bool, say: Callable[[str], None]) -> list[Guarded]:
     """The trackers `cfg` asks for, started (a tracker that cannot start raises its one-line error)."""
     out = []

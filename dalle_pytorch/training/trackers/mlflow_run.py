@@ -18,6 +18,8 @@ import math
 import os
 import time
 
+from . import read_run_id
+
 RUN_ID_FILE = "mlflow_run_id"
 DEFAULT_URI = "env"  # --mlflow alone: MLFLOW_TRACKING_URI, else MLflow's default store
 # MLflow's client retries a request 7 times (minutes) by default; the other ranks wait in a collective meanwhile
@@ -45,7 +47,7 @@ class MLflowRun:
         self.label = f"MLflow at {self.uri}"
         _probe(self.uri)
         id_file = os.path.join(run_path, RUN_ID_FILE)
-        previous = _read(id_file) if continue_run else None
+        previous = read_run_id(id_file) if continue_run else None
         try:
             self.run_id, self._logged = None, set()
             if previous:
@@ -164,14 +166,6 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 def _value(v) -> str:
     return str(v)[:6000]  # MLflow's limit on a parameter's value
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
 
 
 def _first_line(e: Exception) -> str:

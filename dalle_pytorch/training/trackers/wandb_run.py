@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import secrets
 
+from . import read_run_id
+
 RUN_ID_FILE = "wandb_run_id"
 
 
@@ -20,7 +22,7 @@ class WandB:
             raise ImportError("--wandb needs the wandb package: pip install wandb (or drop --wandb)") from None
         os.environ.setdefault("WANDB_MODE", "offline")
         id_file = os.path.join(run_path, RUN_ID_FILE)
-        previous = _read(id_file) if continue_run else None
+        previous = read_run_id(id_file) if continue_run else None
         self._wandb, self._name = wandb, os.path.basename(run_path)
         self._run = wandb.init(
             project=project, entity=entity, name=os.path.basename(run_path), dir=run_path,
@@ -52,11 +54,3 @@ class WandB:
 
     def close(self, status: str) -> None:
         self._run.finish(exit_code=0 if status != "FAILED" else 1)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
