@@ -16,7 +16,7 @@ from dalle_pytorch.compat import flags as predecessor_flags
 from dalle_pytorch.config import FileParser, add_flags, take
 from dalle_pytorch.training.configs import LR_DECAYS, TrainConfig
 from dalle_pytorch.training.run_dir import RunDir
-from distributed import BACKEND_OPTIONS, topology_from_env
+from distributed import BACKEND_OPTIONS, Topology, topology_from_env
 from distributed.ray_config import RayOptions
 
 
@@ -62,24 +62,27 @@ def take_backend_options(ns: argparse.Namespace) -> dict:
 
 
 def run_fit(fit, ns: argparse.Namespace, *configs):
-    """`fit(*configs, TrainConfig, backend options)` in this process (a launcher started it), or with
-    --ray_workers on Ray Train workers (distributed/ray_launcher.py). Returns the export's path."""
+    """`fit(*configs, plan)` in this process (a launcher started it), or with --ray_workers on Ray Train workers
+    (distributed/ray_launcher.py). The run's plan (training/plan.py: the flags validated, the topology, the
+    backend, the accumulation) is made here, once, before the data and the models load. Returns the export's
+    path."""
+    from dalle_pytorch.training.plan import RunPlan
     from dalle_pytorch.training.session import RanksLost
     from dalle_pytorch.training.signals import Stopped
 
     cfg, backend_options, ray = take(ns, TrainConfig), take_backend_options(ns), take(ns, RayOptions)
-    cfg.validate()  # before the data and the models load
     try:
         if not ray.ray_workers:
-            return fit(*configs, cfg, backend_options)
+            return fit(*configs, RunPlan.make(cfg, backend_options))
         from distributed.ray_launcher import run_on_ray
 
         if cfg.mlflow:  # the workers run elsewhere: the tracking store this process would use
             from dalle_pytorch.training.trackers.mlflow_run import absolute_uri
 
             cfg.mlflow = absolute_uri(cfg.mlflow)
-
-        return run_on_ray(fit, configs, cfg, backend_options, ray, RunDir.path_of(cfg, fit.run_name))
+        # planned as on the Ray workers (launcher 'ray'); run_on_ray moves the plan to each number of workers
+        plan = RunPlan.make(cfg, backend_options, Topology("ray"))
+        return run_on_ray(fit, configs, plan, ray, RunDir.path_of(cfg, fit.run_name))
     except Stopped as e:  # the loop said so: "SIGTERM: saved a checkpoint at step N; resume with --resume auto"
         if cfg.exit_code_on_stop:
             raise SystemExit(cfg.exit_code_on_stop) from None

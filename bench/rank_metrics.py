@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dalle_pytorch.training import metrics  # noqa: E402
 from dalle_pytorch.training.configs import TrainConfig  # noqa: E402
 from dalle_pytorch.training.loop import train  # noqa: E402
+from dalle_pytorch.training.plan import RunPlan  # noqa: E402
 from dalle_pytorch.training.rank_stats import RankClock  # noqa: E402
 from dalle_pytorch.training.session import training_session  # noqa: E402
 
@@ -115,9 +116,10 @@ def run(rank: int, ports: list[int], args, tmp: str, out) -> None:
             calls.clear()
             os.environ["MASTER_PORT"] = str(ports.pop())  # a new group each run: its own store
             with NoFigures() if kind == "without" else contextlib.nullcontext():
-                with training_session(cfg, "bench", {"train": cfg}, {}) as (backend, recovery, run_dir):
+                plan = RunPlan.make(cfg)
+                with training_session(plan, "bench", {"train": cfg}) as (backend, recovery, run_dir):
                     t0 = time.perf_counter()
-                    train(task, cfg, backend, recovery, run_dir)
+                    train(task, plan.counted(task.dataset), backend, recovery, run_dir)
                     seconds = time.perf_counter() - t0
             results[kind].append((seconds / args.steps, sum(calls.values()) / args.steps))
     if rank == 0:

@@ -18,15 +18,16 @@ import socket
 import sys
 import time
 
-from . import applicable_options
 from .ray_config import RayOptions
-from .topology import Topology, resolve_backend, topology_from_env
+from .topology import Topology, topology_from_env
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers import the project from it
 
 
-def check_launch(opts: RayOptions, cfg) -> tuple[int, int]:
-    """The (min, max) workers, after refusing in one line what cannot run on Ray."""
+def check_launch(opts: RayOptions, plan) -> tuple[int, int]:
+    """The (min, max) workers, after refusing in one line what cannot run on Ray. `plan`: the run's plan
+    (dalle_pytorch/training/plan.py), made for launcher 'ray'."""
+    cfg = plan.cfg
     opts.validate()
     lo, hi = opts.worker_range()
     outer = topology_from_env().launcher
@@ -49,19 +50,17 @@ def check_launch(opts: RayOptions, cfg) -> tuple[int, int]:
                 f"--ray_workers {opts.ray_workers} lets the number of workers change: set --global_batch_size so "
                 "that every optimizer step sees the same batch whatever the number (accumulation makes it up)"
             )
-        for n in range(lo, hi + 1):
-            cfg.accumulation_steps(n)  # says which --global_batch_size / --batch_size to change
-    else:
-        cfg.accumulation_steps(lo)
+    for n in range(lo, hi + 1):  # the accumulation at each number says which --global_batch_size to change
+        plan.on(Topology("ray", world_size=n))
     return lo, hi
 
 
-def run_on_ray(fit, configs: tuple, cfg, backend_options: dict, opts: RayOptions, run_dir: str):
-    """Run `fit(*configs, cfg, backend_options)` on Ray Train workers; returns what rank 0's returned (the export).
-    `run_dir`: the run's directory (where the workers write), for Ray's own records beside the run's."""
-    lo, hi = check_launch(opts, cfg)
-    cfg.validate()
-    applicable_options(resolve_backend(cfg.distributed_backend, Topology("ray", world_size=hi)), backend_options)
+def run_on_ray(fit, configs: tuple, plan, opts: RayOptions, run_dir: str):
+    """Run `fit(*configs, plan)` on Ray Train workers, each with the plan moved to its own place in the job;
+    returns what rank 0's returned (the export). `run_dir`: the run's directory (where the workers write), for
+    Ray's own records beside the run's."""
+    lo, hi = check_launch(opts, plan)
+    cfg = plan.cfg
     try:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -83,8 +82,7 @@ def run_on_ray(fit, configs: tuple, cfg, backend_options: dict, opts: RayOptions
         train_loop_config={
             "fit": fit,
             "configs": configs,
-            "cfg": cfg,
-            "backend_options": backend_options,
+            "plan": plan,
             "started": os.path.join(run_dir, f".ray-{launch}"),
         },
         scaling_config=ScalingConfig(
@@ -168,10 +166,10 @@ def _worker(config: dict) -> None:
     import ray.train
 
     os.environ["DALLE_LAUNCHER"] = "ray"  # topology_from_env: RANK, WORLD_SIZE, ... are Ray's
-    cfg = config["cfg"]
-    if _restarted(config["started"]):
-        cfg.resume = "auto"  # a restart after a failure or a resize: from the run's newest checkpoint
-    export = config["fit"](*config["configs"], cfg, config["backend_options"])
+    plan = config["plan"]
+    # a restart after a failure or a resize goes on from the run's newest checkpoint
+    resume = "auto" if _restarted(config["started"]) else plan.cfg.resume
+    export = config["fit"](*config["configs"], plan.on(topology_from_env(), resume=resume))
     ray.train.report({"export": export or ""})
 
 

@@ -52,18 +52,6 @@ class ShardedSampler(torch.utils.data.Sampler):
         return iter(perm[self.consumed :][self.rank :: self.world_size][: len(self)].tolist())
 
 
-def total_steps(cfg, dataset, world_size: int) -> int:
-    """Optimizer steps of the run: --steps, or --epochs over each rank's shard (a stream: its counted samples)."""
-    if cfg.steps:
-        return cfg.steps
-    if is_stream(dataset):  # every rank's workers: streams of equal length
-        workers = max(cfg.num_workers, 1)
-        per_rank = shard_plan.stream_length([(0, dataset.num_samples)], world_size * workers, cfg.batch_size) * workers
-    else:
-        per_rank = ShardedSampler.shard_size(len(dataset), world_size, cfg.batch_size)
-    return cfg.epochs * max(per_rank // cfg.batch_size // cfg.accumulation_steps(world_size), 1)
-
-
 def stream_plan(dataset: Stream, cfg, backend, at: Where, say=print) -> tuple[Plan, Where]:
     """This epoch's plan for a stream at `at` (data/shard_plan.replan), and where the data then stands: the plan
     recorded in `stream`, `samples_in_epoch` of it consumed."""

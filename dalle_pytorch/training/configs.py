@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distributed import BACKENDS, StepOptions
+from distributed import BACKENDS
 
 from ..config import flag
 from ..data.storage import RETRIES
@@ -198,16 +198,6 @@ class TrainConfig:
                 "horovodrun --min-np/--max-np: drop --global_batch_size; the global batch follows the workers "
                 "(--batch_size per worker)"
             )
-
-    def step_options(self, world_size: int) -> StepOptions:
-        return StepOptions(
-            precision=self.precision,
-            accumulation_steps=self.accumulation_steps(world_size),
-            clip_grad_norm=self.clip_grad_norm,
-            initial_scale_power=self.initial_scale_power,
-            loss_scale_window=self.loss_scale_window,
-            dist_timeout=self.dist_timeout,
-        )
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step so that batch_size x world_size x steps == global_batch_size."""

@@ -18,12 +18,13 @@ import torch
 from distributed import Workload
 
 from ..data.stream import is_stream
-from .batches import ShardedSampler, Where, batches, total_steps
+from .batches import ShardedSampler, Where, batches
 from .checkpoints import resolve_resume, save_checkpoint
 from .ema import EMA
 from .fid_check import FidCheck
 from .hooks import HookContext, HookList, load_hooks
 from .metrics import MetricWindow
+from .plan import RunPlan
 from .run_dir import RunDir, progress
 from .schedules import lr_factor
 from .signals import GraceCheck, StopFlag, Stopped, StopVote
@@ -47,15 +48,17 @@ class Position:
         self.epoch, self.samples_in_epoch, self.stream = where.epoch, where.samples_in_epoch, where.stream
 
 
-def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
-    """Train `task` with `backend` as `cfg` (a TrainConfig) says; returns where training stopped."""
+def train(task: Task, plan: RunPlan, backend, recovery, run: RunDir) -> Position:
+    """Train `task` with `backend` as `plan` says (its flags, accumulation and steps, `RunPlan.counted` on the
+    task's data); returns where training stopped."""
+    cfg, total = plan.cfg, plan.steps
+    assert total > 0, "the plan's steps are counted on the data (RunPlan.counted) before training"
     streamed = is_stream(task.dataset)
     if streamed and recovery.world_size_may_change:
         raise ValueError(
             "streamed WebDataset shards are split among the ranks when the run starts, so an elastic run cannot "
             "stream them: use a caption folder (or export the shards to one) or a fixed number of workers"
         )
-    total = total_steps(cfg, task.dataset, backend.world_size)
     user_hooks = load_hooks(cfg.hooks)  # before anything trains: a hook that cannot load says so first
     if cfg.checkpoint_activations:
         enable_activation_checkpointing(task)
@@ -77,7 +80,7 @@ def train(task: Task, cfg, backend, recovery, run: RunDir) -> Position:
     if ema is not None:
         recovery.track(ema.average)
     with StopFlag() as stop:  # SIGTERM (a preempted node): finish the step (or the next), save, exit
-        parts = Parts(task, cfg, backend, recovery, run, model, scheduler, total, stop, user_hooks, ema, fid)
+        parts = Parts(task, plan, backend, recovery, run, model, scheduler, stop, user_hooks, ema, fid)
         pos = recovery.drive(lambda p: train_steps(parts, p), pos)
     write_samples(task, model, backend, os.path.join(run.samples, "final.png"), pos.step, run)
     if stop.reason == "SIGTERM" and pos.step < total:  # on every rank (the vote): saved, not finished
@@ -90,17 +93,24 @@ class Parts:
     """What train() built and train_steps() uses."""
 
     task: Task
-    cfg: object  # TrainConfig
+    plan: RunPlan
     backend: object
     recovery: object
     run: RunDir
     model: torch.nn.Module  # as the backend wrapped it
     scheduler: object
-    total: int  # steps of the run
     stop: StopFlag
     hooks: list  # the user's (--hooks)
     ema: EMA | None  # --ema
     fid: FidCheck | None  # --val_fid_every
+
+    @property
+    def cfg(self):
+        return self.plan.cfg
+
+    @property
+    def total(self) -> int:
+        return self.plan.steps
 
 
 def train_steps(parts: Parts, pos: Position) -> Position:
@@ -109,14 +119,13 @@ def train_steps(parts: Parts, pos: Position) -> Position:
     task, cfg, backend, run, model, total = parts.task, parts.cfg, parts.backend, parts.run, parts.model, parts.total
     if backend.is_main:
         run.become_main()  # an elastic run may have made this worker rank 0
-    accum = cfg.accumulation_steps(backend.world_size)  # what the backend divides each loss by
-    global_batch = cfg.batch_size * backend.world_size * accum
+    accum, global_batch = parts.plan.accumulation, parts.plan.global_batch(backend.world_size)
     run.print(
         f"{task.name}: {total} steps, global batch {global_batch} = {cfg.batch_size} per rank x "
         f"{backend.world_size} ranks x {accum} accumulation, backend {backend.name}, precision {cfg.precision}"
     )
     data = batches(task.dataset, cfg, backend, pos.data, run.print)
-    window = MetricWindow(backend, task, run, cfg, total)
+    window = MetricWindow(backend, task, run, parts.plan)
     vote = StopVote(parts.stop, backend)
     ctx = HookContext(task.name, backend.rank, backend.world_size, backend.is_main, run.path, total, task.model)
     hooks = HookList(parts.hooks, ctx, parts.stop)
@@ -266,4 +275,4 @@ def export(task: Task, model, backend, run, ema: EMA | None = None) -> None:
     backend.barrier()
 
 
-__all__ = ["Position", "ShardedSampler", "param_groups", "total_steps", "train"]
+__all__ = ["Position", "ShardedSampler", "param_groups", "train"]

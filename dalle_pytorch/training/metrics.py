@@ -9,9 +9,10 @@ from .rank_stats import RankClock, RankSummary, Stragglers, figure_names, hostna
 
 
 class MetricWindow:
-    def __init__(self, backend, task, run, cfg, total: int):
+    def __init__(self, backend, task, run, plan):
+        cfg = plan.cfg
         self.backend, self.task, self.run, self.cfg = backend, task, run, cfg
-        self.total = total
+        self.total, self.accum = plan.steps, plan.accumulation
         self.clock = RankClock(backend.device)
         self.figures = figure_names(backend.device)
         hosts = hostnames(backend)  # a collective, once: every rank builds its window at the same point
@@ -34,7 +35,7 @@ class MetricWindow:
         """Log the window; returns the row. Every rank calls it."""
         b = self.backend
         names = sorted(self.sums)
-        accum = self.cfg.accumulation_steps(b.world_size)
+        accum = self.accum
         # one collective for the step: metric means, every rank's figures in its own row, a stream's skipped
         # samples by reason (summed)
         elapsed, mine = self.clock.figures(max(1, self.count // accum))

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 
 import torch
 
-from distributed import applicable_options, make_backend, set_threads, topology_from_env
+from distributed import make_backend, set_threads
 
 from ..data.build import build_text_tokenizer
+from .plan import RunPlan
 from .run_dir import RunDir
 from .signals import Stopped
 from .trackers import open_trackers
@@ -23,15 +24,12 @@ class RanksLost(TimeoutError):
 
 
 @contextmanager
-def training_session(cfg, default_name: str, configs: dict, backend_options: dict):
+def training_session(plan: RunPlan, default_name: str, configs: dict):
     """Set up the backend and the run directory; tear down on exit. Yields (backend, recovery, run).
 
-    `cfg`: the run's TrainConfig; `configs`: the sections of config.json; `backend_options`: each backend's
-    own options by backend name (arguments.take_backend_options)."""
-    cfg.validate()
-    topo = topology_from_env()
-    backend = make_backend(cfg.distributed_backend, topo, cfg.step_options(topo.world_size), **backend_options)
-    backend_options = applicable_options(backend.name, backend_options)  # before any rank joins the group
+    `plan`: what the run worked out (plan.py); `configs`: the sections of config.json."""
+    cfg = plan.cfg
+    backend = make_backend(plan.backend, plan.topo, plan.step_options(), **plan.backend_options)
     recovery = backend.recovery()
     if recovery.world_size_may_change:
         cfg.check_elastic()
@@ -48,18 +46,7 @@ def training_session(cfg, default_name: str, configs: dict, backend_options: dic
         )
         if not recovery.world_size_may_change:  # an elastic joiner meets no startup collective (see below)
             check_shared_storage(backend, run.path)
-        accum = cfg.accumulation_steps(backend.world_size)
-        run.record(
-            configs,
-            backend_options,
-            {
-                "backend": backend.name,
-                "launcher": topo.launcher,
-                "world_size": backend.world_size,
-                "accumulation_steps": accum,
-                "global_batch_size": cfg.batch_size * backend.world_size * accum,
-            },
-        )
+        run.record(configs, plan.backend_options, plan.derived(backend.world_size))
         try:
             yield backend, recovery, run
         except Stopped:  # SIGTERM: every rank saved at the same step and leaves together, as on success

@@ -18,14 +18,14 @@ from ..inference.image_tokenizers import tokenizer_fingerprint, tokenizer_flag
 from ..models.clip import CLIP, CLIPConfig
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
-from .batches import total_steps
 from .clip_task import CLIPTask
-from .configs import CLIPRunConfig, DALLERunConfig, TrainConfig, VAERunConfig, VQGANRunConfig
+from .configs import CLIPRunConfig, DALLERunConfig, VAERunConfig, VQGANRunConfig
 from .dalle_task import DALLETask
 from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
 from .image_tokenizer import check_same_tokenizer, load_image_tokenizer, precomputed, start_of
 from .loop import train
+from .plan import RunPlan
 from .run_dir import RunDir
 from .session import shared_text_tokenizer, training_session
 from .vae_task import VAETask
@@ -46,13 +46,12 @@ def scoring_clip(path: str, cfg, tokenizer, vae):
     return clip
 
 
-def fit_vae(
-    model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, cfg: TrainConfig, backend_options: dict
-) -> str:
+def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, plan: RunPlan) -> str:
     """train_vae.py's run (a dVAE, or a VQGAN with --model vqgan); returns the export's path."""
     check_tokenizer_flags(model_cfg, run_cfg, vq)
+    cfg = plan.cfg
     configs = {"model": model_cfg, "vae": run_cfg, "vqgan": vq, "train": cfg}
-    with training_session(cfg, fit_vae.run_name, configs, backend_options) as (backend, recovery, run):
+    with training_session(plan, fit_vae.run_name, configs) as (backend, recovery, run):
         spec = DataSpec(
             run_cfg.image_folder, "--image_folder", run_cfg.wds, False, model_cfg.image_size, model_cfg.channels,
             run_cfg.resize_ratio, run_cfg.val_image_folder, "--val_image_folder",
@@ -60,7 +59,8 @@ def fit_vae(
         data = datasets(spec, cfg, backend, run)
         dataset, val = data.train, data.val
         export_path = run_cfg.vae_output or os.path.join(run.path, "vae.safetensors")
-        steps = total_steps(cfg, dataset, backend.world_size)
+        plan = plan.counted(dataset)
+        steps = plan.steps
         if vq.model == "vqgan":
             task = vqgan_task(model_cfg, vq, steps, dataset, export_path, val, backend.device, run)
         else:  # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
@@ -71,7 +71,7 @@ def fit_vae(
                 run_cfg.temp_schedule,
             )
             task = VAETask(DiscreteVAE(model_cfg), dataset, export_path, temperature, val_dataset=val)
-        pos = train(task, cfg, backend, recovery, run)
+        pos = train(task, plan, backend, recovery, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:
             run.print(f"skipped {skipped} unreadable images")
@@ -126,8 +126,9 @@ def vqgan_task(model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, ex
     return VQGANTask(VQGANLoss(tokenizer, loss), dataset, export_path, perceptual, val_dataset=val)
 
 
-def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig, backend_options: dict) -> str:
+def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) -> str:
     """train_dalle.py's run; returns the export's path."""
+    cfg = plan.cfg
     flags = vars(run_cfg)
     start = None
     if run_cfg.dalle_path:
@@ -143,7 +144,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig,
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
-    with training_session(cfg, fit_dalle.run_name, configs, backend_options) as (backend, recovery, run):
+    with training_session(plan, fit_dalle.run_name, configs) as (backend, recovery, run):
         data = datasets(caption_spec(run_cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions), cfg,
                         backend, run)  # fmt: skip
         pairs, val_pairs, heldout = data.train, data.val, data.heldout
@@ -178,7 +179,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, cfg: TrainConfig,
             dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed,
             val_dataset=val, heldout=heldout, clip=scoring_clip(run_cfg.val_clip_path, cfg, tokenizer, vae),
         )  # fmt: skip
-        pos = train(task, cfg, backend, recovery, run)
+        pos = train(task, plan.counted(task.dataset), backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)
         if skipped:
             run.print(f"skipped {skipped} unreadable samples")
@@ -221,13 +222,14 @@ def _start_from(run_cfg, model_cfg: DALLEConfig):
     return start, dataclasses.replace(theirs, **changed), vae, start["vae"], tokenizer_fingerprint(start["vae"])
 
 
-def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, cfg: TrainConfig, backend_options: dict) -> str:
+def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, plan: RunPlan) -> str:
     """train_clip.py's run; returns the export's path."""
+    cfg = plan.cfg
     fit = dalle_fit(run_cfg.dalle_path) if run_cfg.dalle_path else None
     size = fit["image_size"] if fit else run_cfg.image_size
     channels = fit["channels"] if fit else run_cfg.channels
     configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
-    with training_session(cfg, fit_clip.run_name, configs, backend_options) as (backend, recovery, run):
+    with training_session(plan, fit_clip.run_name, configs) as (backend, recovery, run):
         data = datasets(caption_spec(run_cfg, size, channels), cfg, backend, run)
         pairs, val_pairs = data.train, data.val
         if fit:
@@ -252,7 +254,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, cfg: TrainConfig, ba
             gather=lambda x: (backend.all_gather(x), backend.rank * x.shape[0]),
             val_dataset=tokenized(val_pairs, tokenizer, model_cfg.text_seq_len) if val_pairs is not None else None,
         )
-        pos = train(task, cfg, backend, recovery, run)
+        pos = train(task, plan.counted(task.dataset), backend, recovery, run)
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
 

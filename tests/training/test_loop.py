@@ -17,6 +17,7 @@ from torch import nn
 from dalle_pytorch.training.checkpoints import step_dirs
 from dalle_pytorch.training.configs import TrainConfig
 from dalle_pytorch.training.loop import Position, train
+from dalle_pytorch.training.plan import RunPlan
 from dalle_pytorch.training.session import training_session
 from dalle_pytorch.training.signals import Stopped
 
@@ -85,9 +86,10 @@ class StoppedAt(Position):
 def fit(cfg: TrainConfig, task: FakeTask):
     """(final position, trained weights) of one run of the loop, with the session the trainers use."""
     try:
-        with training_session(cfg, "run", {"train": cfg}, {}) as (backend, recovery, run):
+        plan = RunPlan.make(cfg)
+        with training_session(plan, "run", {"train": cfg}) as (backend, recovery, run):
             try:
-                pos = train(task, cfg, backend, recovery, run)
+                pos = train(task, plan.counted(task.dataset), backend, recovery, run)
             finally:
                 weights = {k: v.detach().clone() for k, v in task.model.state_dict().items()}
     except Stopped as e:  # saved, not finished: the scripts exit with --exit_code_on_stop
