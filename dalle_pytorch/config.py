@@ -1,5 +1,6 @@
 """One CLI system: a config dataclass is also its own command-line spec. `flag` makes a field with a help text;
-`add_flags` turns a dataclass into an argument group; `take` fills the dataclass back from the parsed flags.
+`add_flags` turns a dataclass into an argument group; `take` fills the dataclass back from the parsed flags, `pick` from
+a record (config.json) or another config.
 Every entry point (the trainers, generate.py, the evaluation, convert, plot) builds its parser this way."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any
 
@@ -68,6 +69,14 @@ def add_flags(parser: argparse.ArgumentParser, cls, title: str) -> argparse._Arg
 def take(ns: argparse.Namespace, cls):
     """The dataclass `cls` filled from the parsed flags that name its fields."""
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+
+def pick(cls, source):
+    """The dataclass `cls` from the fields of `source` that name its own: a record (config.json's section, a dict;
+    a missing key keeps its default: runs recorded before the field existed) or another config with those fields."""
+    if isinstance(source, Mapping):
+        return cls(**{f.name: source[f.name] for f in dataclasses.fields(cls) if f.name in source})
+    return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if hasattr(source, f.name)})
 
 
 class FileParser(argparse.ArgumentParser):

@@ -25,12 +25,14 @@ from distributed import read_weights
 
 from .compat.flags import PredecessorFiles
 from .compat.weights import is_predecessor, predecessor_export
-from .config import FileParser, add_flags, flag, take
+from .config import FileParser, add_flags, flag, pick, take
 from .data.build import build_text_tokenizer
 from .errors import user_errors
 from .files import safe_load
 from .inference.export import save_export
-from .training.image_tokenizer import load_image_tokenizer, start_of
+from .inference.image_tokenizers import load_image_tokenizer
+from .training.configs import DALLERunConfig
+from .training.image_tokenizer import start_of
 
 
 def convert(ckpt_dir: str, out: str) -> str:
@@ -44,15 +46,17 @@ def convert(ckpt_dir: str, out: str) -> str:
     if "vae" in config:  # a train_vae.py run
         save_export(out, "vae", config["model"], weights)
         return out
-    run = config["dalle"]
-    if run.get("dalle_path"):  # started from an export (or the predecessor's dalle.pt): its VAE and tokenizer
+    record = config["dalle"]
+    run = pick(DALLERunConfig, record)
+    if run.dalle_path:  # started from an export (or the predecessor's dalle.pt): its VAE and tokenizer
         start, _ = start_of(run)
         vae_export, tokenizer = start["vae"], start["tokenizer"]
     else:
         vae_export = config.get("pretrained_tokenizer")  # the record train_dalle.py kept of a pretrained tokenizer
         if vae_export is None:  # our VAE, whose export the DALLE export copies
-            vae_export = load_image_tokenizer(run)[1]
-        tokenizer = build_text_tokenizer(run, run_dir).to_dict()
+            vae_export = load_image_tokenizer(run, bool(run.image_text_folder))[1]
+        # a run recorded before --bpe_lowercase existed lowercased its captions
+        tokenizer = build_text_tokenizer(run, run_dir, lowercase=record.get("bpe_lowercase", True)).to_dict()
     save_export(out, "dalle", config["model"], weights, vae=vae_export, tokenizer=tokenizer)
     return out
 

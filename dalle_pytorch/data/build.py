@@ -4,8 +4,10 @@ tokenizer from the tokenizer flags (a BPE trained on the captions once, on rank 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from ..config import flag
 from .stream import is_stream
 from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
 
@@ -62,28 +64,45 @@ def _captions(dataset, limit: int = 20000) -> list[str]:
     ]
 
 
+@dataclass
+class TextTokenizerConfig:
+    """The text tokenizer: train_dalle.py's and train_clip.py's (without --dalle_path), and what a run's config.json
+    records of it (`config.pick(TextTokenizerConfig, record)`)."""
+
+    tokenizer: str = flag(
+        "yttm",
+        "text tokenizer: yttm or byte (either gives way to a --bpe_path), clip (OpenAI CLIP's BPE, bundled: "
+        "lucidrains' DALLE-pytorch's default), chinese (bert-base-chinese's WordPiece, its vocab.txt from "
+        "--bpe_path or the cn-clip package)",
+        choices=("yttm", "byte", "clip", "chinese"),
+    )
+    bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
+    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
+    bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
+
+
 def build_text_tokenizer(
-    flags: Mapping,
+    cfg: TextTokenizerConfig,
     run_dir: str,
     dataset=None,
     resuming: bool = False,
     is_main: bool = True,
     share: Callable[[str | None], str] = lambda text: text,
     log: Callable[[str], None] = print,
+    lowercase: bool = True,
 ) -> Tokenizer:
-    """The tokenizer the flags choose (`bpe_path`, `hug`, `tokenizer`, `bpe_vocab_size`, as train_dalle.py parses
-    them or config.json records them). The default BPE lives in the run directory: with `dataset` it is trained
-    on its captions on rank 0 (a resumed run keeps the vocabulary it has) and `share`d from there to every rank;
-    without, the run's is read. The predecessor's
-    tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when it is given."""
-    if flags["tokenizer"] in ("clip", "chinese"):
-        return pretrained_text_tokenizer(flags["tokenizer"], flags["bpe_path"], flags["hug"])
-    if flags["bpe_path"]:  # the user's own model reads text as they trained it (a config without the key: lowercased)
-        path = flags["bpe_path"]
-        if flags["hug"]:
-            return HugTokenizer.from_file(path)
-        return YttmTokenizer.from_file(path, lowercase=flags.get("bpe_lowercase", True))
-    if flags["tokenizer"] == "byte":
+    """The tokenizer `cfg` chooses. The default BPE lives in the run directory: with `dataset` it is trained on its
+    captions on rank 0 (a resumed run keeps the vocabulary it has) and `share`d from there to every rank; without,
+    the run's is read. The predecessor's tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when
+    it is given. `lowercase`: a --bpe_path YouTokenToMe model reads lowercased captions (train_dalle.py's
+    --bpe_lowercase; runs recorded before it existed, and train_clip.py, lowercase)."""
+    if cfg.tokenizer in ("clip", "chinese"):
+        return pretrained_text_tokenizer(cfg.tokenizer, cfg.bpe_path, cfg.hug)
+    if cfg.bpe_path:  # the user's own model reads text as they trained it
+        if cfg.hug:
+            return HugTokenizer.from_file(cfg.bpe_path)
+        return YttmTokenizer.from_file(cfg.bpe_path, lowercase=lowercase)
+    if cfg.tokenizer == "byte":
         return ByteTokenizer()
     path = os.path.join(run_dir, "bpe.yttm")
     if dataset is not None:
@@ -92,8 +111,8 @@ def build_text_tokenizer(
         text = None
         if is_main:
             if not (resuming and os.path.exists(path)):
-                YttmTokenizer.train(_captions(dataset), flags["bpe_vocab_size"], path)
-                log(f"trained a {flags['bpe_vocab_size']}-token BPE on the captions: {path}")
+                YttmTokenizer.train(_captions(dataset), cfg.bpe_vocab_size, path)
+                log(f"trained a {cfg.bpe_vocab_size}-token BPE on the captions: {path}")
             with open(path) as f:
                 text = f.read()
         return YttmTokenizer(share(text))

@@ -18,7 +18,6 @@ when whole.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -29,9 +28,10 @@ import warnings
 import torch
 from torchvision.utils import save_image
 
+from ..config import pick
 from ..data.build import build_dataset
 from ..data.stream import is_stream
-from ..inference.image_tokenizers import load_image_tokenizer
+from ..inference.image_tokenizers import ImageTokenizerConfig, load_image_tokenizer
 from ..inference.load import load_dalle, pick_device
 from ..inference.pipeline import best_of, candidate_images, load_reranker
 from ..models.vae import codebook_stats
@@ -222,7 +222,8 @@ def evaluate_vae_on_data(cfg, fidelity, batch_size: int = 32) -> dict:
     from torchmetrics.functional.image import structural_similarity_index_measure
 
     device = pick_device()
-    vae = load_image_tokenizer(dataclasses.asdict(cfg))[0].to(device)  # as train_dalle.py reads these flags
+    tokenizer = pick(ImageTokenizerConfig, cfg)  # as train_dalle.py reads these flags
+    vae = load_image_tokenizer(tokenizer, bool(cfg.image_text_folder))[0].to(device)
     pairs = validation_pairs(cfg.image_text_folder, cfg.wds, vae.image_size, cfg.num_images, captions=False)
     folders = Folders(cfg.out, "reference", "reconstructed")
     mse, ssim, codes = 0.0, 0.0, []

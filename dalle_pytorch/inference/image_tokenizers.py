@@ -6,21 +6,40 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ..compat.downloads import OPENAI_DEFAULT, VQGAN_DEFAULT, default_openai_dir, default_vqgan_paths
+from ..config import flag
 from ..files import fingerprint
 from ..models.pretrained import load_openai, load_vqgan, openai_file
 from .load import load_vae
 
 
-def load_image_tokenizer(flags: Mapping, say=print):
-    """(tokenizer, export or record, fingerprint) from the flags that choose it, as train_dalle.py parses them or
-    config.json's `dalle` section records them. As in the predecessor, a bare --taming uses its default VQGAN and a
-    data folder without any tokenizer flag uses OpenAI's dVAE: both downloaded into a cache (compat/downloads.py);
-    `say` tells which (one rank of many says it)."""
-    vae_path, taming, openai_vae_path = flags["vae_path"], flags["taming"], flags["openai_vae_path"]
-    vqgan_model_path, vqgan_config_path = flags["vqgan_model_path"], flags["vqgan_config_path"]
-    image_size = flags["pretrained_image_size"]
+@dataclass
+class ImageTokenizerConfig:
+    """The flags that choose a DALLE's image tokenizer: train_dalle.py's (DALLERunConfig has them), the encode
+    command's, and what a run's config.json records of them (`config.pick(ImageTokenizerConfig, record)`)."""
+
+    vae_path: str = flag(
+        "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
+    )
+    taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
+    vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
+    vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
+    openai_vae_path: str = flag("", "a folder with OpenAI's dVAE: encoder.pkl + decoder.pkl, or their state dicts .pt")
+    pretrained_image_size: int = flag(
+        0, "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE)"
+    )
+
+
+def load_image_tokenizer(cfg: ImageTokenizerConfig, data_given: bool = False, say=print):
+    """(tokenizer, export or record, fingerprint) of the image tokenizer `cfg` chooses. As in the predecessor, a
+    bare --taming uses its default VQGAN and, when the run has data of its own (`data_given`: --image_text_folder),
+    no tokenizer flag means OpenAI's dVAE: both downloaded into a cache (compat/downloads.py); `say` tells which
+    (one rank of many says it)."""
+    vae_path, taming, openai_vae_path = cfg.vae_path, cfg.taming, cfg.openai_vae_path
+    vqgan_model_path, vqgan_config_path = cfg.vqgan_model_path, cfg.vqgan_config_path
+    image_size = cfg.pretrained_image_size
     if (vqgan_model_path or vqgan_config_path) and not taming:
         raise ValueError("--vqgan_model_path and --vqgan_config_path are read with --taming: add --taming")
     chosen = [
@@ -28,7 +47,7 @@ def load_image_tokenizer(flags: Mapping, say=print):
     ]
     if len(chosen) > 1:
         raise ValueError(f"{' and '.join(chosen)} each choose the image tokenizer: pass only one of them")
-    if not chosen and not flags.get("image_text_folder"):
+    if not chosen and not data_given:
         raise ValueError(
             "--vae_path is required: train a VAE first with `python train_vae.py` and pass its vae.pt, or use a "
             "pretrained tokenizer with --taming --vqgan_model_path M --vqgan_config_path C, or --openai_vae_path DIR; "
@@ -99,16 +118,16 @@ def _has_openai_files(directory: str) -> bool:
     return any(openai_file(directory, part) for part in ("encoder", "decoder"))
 
 
-def tokenizer_flag(flags: Mapping) -> str:
-    """The flags that chose the image tokenizer, for messages."""
-    if flags["taming"] and not flags["vqgan_model_path"]:
+def tokenizer_flag(cfg: ImageTokenizerConfig, dalle_path: str = "") -> str:
+    """The flags that chose the image tokenizer (or the --dalle_path whose tokenizer it is), for messages."""
+    if cfg.taming and not cfg.vqgan_model_path:
         return "--taming (the predecessor's default VQGAN, downloaded)"
-    if flags["taming"]:
-        return f"--taming --vqgan_model_path {flags['vqgan_model_path']}"
-    if flags["openai_vae_path"]:
-        return f"--openai_vae_path {flags['openai_vae_path']}"
-    if not flags["vae_path"] and flags.get("dalle_path"):
-        return f"the image tokenizer of --dalle_path {flags['dalle_path']}"
-    if not flags["vae_path"]:
+    if cfg.taming:
+        return f"--taming --vqgan_model_path {cfg.vqgan_model_path}"
+    if cfg.openai_vae_path:
+        return f"--openai_vae_path {cfg.openai_vae_path}"
+    if not cfg.vae_path and dalle_path:
+        return f"the image tokenizer of --dalle_path {dalle_path}"
+    if not cfg.vae_path:
         return "OpenAI's dVAE (the default without --vae_path, downloaded)"
-    return f"--vae_path {flags['vae_path']}"
+    return f"--vae_path {cfg.vae_path}"

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from distributed import BACKENDS
 
 from ..config import flag
+from ..data.build import TextTokenizerConfig
 from ..data.storage import RETRIES
 from ..data.wds import SHUFFLE_BLOCK, StreamOptions
+from ..inference.image_tokenizers import ImageTokenizerConfig
 from .ema import check_decay
 from .trackers.mlflow_run import DEFAULT_URI as DEFAULT_MLFLOW_URI
 
@@ -232,22 +234,6 @@ class CaptionDataConfig:
 
 
 @dataclass
-class TextTokenizerConfig:
-    """The text tokenizer: train_dalle.py's and train_clip.py's (without --dalle_path)."""
-
-    tokenizer: str = flag(
-        "yttm",
-        "text tokenizer: yttm or byte (either gives way to a --bpe_path), clip (OpenAI CLIP's BPE, bundled: "
-        "lucidrains' DALLE-pytorch's default), chinese (bert-base-chinese's WordPiece, its vocab.txt from "
-        "--bpe_path or the cn-clip package)",
-        choices=("yttm", "byte", "clip", "chinese"),
-    )
-    bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
-    hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
-    bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
-
-
-@dataclass
 class VAERunConfig:
     """train_vae.py's own flags."""
 
@@ -301,23 +287,13 @@ DEFAULT_SAMPLE_CAPTIONS = [
 
 
 @dataclass
-class DALLERunConfig(CaptionDataConfig, TextTokenizerConfig):
-    """train_dalle.py's own flags, with the caption data and text tokenizer groups."""
+class DALLERunConfig(ImageTokenizerConfig, CaptionDataConfig, TextTokenizerConfig):
+    """train_dalle.py's own flags, with the image tokenizer, caption data and text tokenizer groups."""
 
-    vae_path: str = flag(
-        "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
-    )
     dalle_path: str = flag(
         "",
         "start from this DALLE export (or a dalle-pytorch 1.6 dalle.pt): its model, weights, tokenizers and VAE; "
         "the model and tokenizer flags are not used",
-    )
-    taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
-    vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
-    vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
-    openai_vae_path: str = flag("", "a folder with OpenAI's dVAE: encoder.pkl + decoder.pkl, or their state dicts .pt")
-    pretrained_image_size: int = flag(
-        0, "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE)"
     )
     bpe_lowercase: bool = flag(
         False, "lowercase captions for a --bpe_path YouTokenToMe model (runs before 2026-12 did)"

@@ -218,29 +218,25 @@ def _add(tar, name: str, data: bytes) -> None:
 def main(argv=None) -> int:
     from distributed import set_threads, topology_from_env
 
+    from ..config import add_flags, take
     from ..errors import user_errors
-    from .image_tokenizer import load_image_tokenizer
+    from ..inference.image_tokenizers import ImageTokenizerConfig, load_image_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", required=True, help="the source shards: a folder, a brace pattern or URLs")
     p.add_argument("--wds", required=True, help="the image and caption keys of the source shards, e.g. jpg,txt")
     p.add_argument("--out", required=True, help="folder of the token shards (tokens-000000.tar ...)")
-    p.add_argument("--vae_path", default="", help="our VAE's export (train_vae.py)")
-    p.add_argument("--taming", action="store_true", help="a VQGAN: with --vqgan_model_path and --vqgan_config_path")
-    p.add_argument("--vqgan_model_path", default="")
-    p.add_argument("--vqgan_config_path", default="")
-    p.add_argument("--openai_vae_path", default="", help="OpenAI's dVAE: the folder of encoder.pkl, decoder.pkl")
-    p.add_argument("--pretrained_image_size", type=int, default=0, help="a pretrained tokenizer's image size")
     p.add_argument("--batch_size", type=int, default=64, help="images per VAE pass")
     p.add_argument("--shard_retries", type=int, default=RETRIES, help="retries of a shard (HTTP) that fails")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
+    add_flags(p, ImageTokenizerConfig, "image tokenizer (one of them)")
     args = p.parse_args(argv)
     with user_errors(args.debug):
         if "," not in args.wds:
             raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {args.wds!r})")
         topo = topology_from_env()
         set_threads(0, topo)
-        vae, _, vae_id = load_image_tokenizer({**vars(args), "image_text_folder": ""})
+        vae, _, vae_id = load_image_tokenizer(take(args, ImageTokenizerConfig))
         device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
         vae = vae.to(device).eval()
         urls = shard_urls(args.shards)

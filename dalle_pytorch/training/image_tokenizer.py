@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
-
-from distributed import topology_from_env
 
 from ..data.stream import is_stream
 from ..data.tokenized import PrecomputedTokens, precompute_tokens
 from ..files import atomic_save, safe_load
-from ..inference.image_tokenizers import load_image_tokenizer as chosen_tokenizer
 from ..inference.load import read_dalle
-
-
-def load_image_tokenizer(flags: Mapping):
-    """inference.image_tokenizers.load_image_tokenizer, said by the first rank only (every local rank gets here)."""
-    say = print if topology_from_env().rank == 0 else (lambda *_: None)
-    return chosen_tokenizer(flags, say)
 
 
 def check_same_tokenizer(record: dict, vae_id: str, vae_flag: str) -> None:
@@ -53,15 +43,14 @@ def precomputed(dataset, vae, vae_id: str, run, backend) -> PrecomputedTokens:
     return PrecomputedTokens(cached["image_tokens"], cached["text"], dataset.truncated.value)
 
 
-def start_of(flags) -> tuple[dict, object]:
+def start_of(run_cfg, say=print) -> tuple[dict, object]:
     """(export, image tokenizer) of the --dalle_path a DALLE run started from, read as train_dalle.py read it
-    (`flags`: its parsed flags, or the `dalle` section of its config.json)."""
+    (`run_cfg`: its DALLERunConfig, as parsed or as its config.json records it)."""
     # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
     predecessor = {
-        "bpe_path": flags["bpe_path"],
-        "hug": flags["hug"],
-        "chinese": flags["tokenizer"] == "chinese",
-        "vqgan_config_path": flags["vqgan_config_path"],
+        "bpe_path": run_cfg.bpe_path,
+        "hug": run_cfg.hug,
+        "chinese": run_cfg.tokenizer == "chinese",
+        "vqgan_config_path": run_cfg.vqgan_config_path,
     }
-    say = print if topology_from_env().rank == 0 else (lambda *_: None)
-    return read_dalle(flags["dalle_path"], flags["vqgan_model_path"], flags["openai_vae_path"], predecessor, say)
+    return read_dalle(run_cfg.dalle_path, run_cfg.vqgan_model_path, run_cfg.openai_vae_path, predecessor, say)

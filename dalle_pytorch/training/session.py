@@ -11,7 +11,7 @@ import torch
 
 from distributed import make_backend, set_threads
 
-from ..data.build import build_text_tokenizer
+from ..data.build import TextTokenizerConfig, build_text_tokenizer
 from .plan import RunPlan
 from .run_dir import RunDir
 from .signals import Stopped
@@ -77,19 +77,21 @@ def add_up(backend, counts: list[int]) -> list[int]:
     return [int(n) for n in total.tolist()]
 
 
-def shared_text_tokenizer(flags, cfg, backend, recovery, run, dataset):
-    """The text tokenizer the flags choose; the run's own BPE is trained on rank 0 and sent to every rank."""
+def shared_text_tokenizer(text: TextTokenizerConfig, cfg, backend, recovery, run, dataset, lowercase: bool = True):
+    """The text tokenizer `text` chooses; the run's own BPE is trained on rank 0 and sent to every rank.
+    `lowercase`: build_text_tokenizer's."""
 
-    def share(text: str | None) -> str:
+    def share(words: str | None) -> str:
         if not recovery.world_size_may_change:
-            return share_text(backend, text)
+            return share_text(backend, words)
         # elastic: a worker that joins later finds the others training, with no collective of theirs to meet;
         # it reads the file rank 0 wrote (Horovod's barrier lets a joining worker through)
         backend.barrier()
         with open(os.path.join(run.path, "bpe.yttm")) as f:
             return f.read()
 
-    return build_text_tokenizer(flags, run.path, dataset, bool(cfg.resume), backend.is_main, share, run.print)
+    resuming = bool(cfg.resume)
+    return build_text_tokenizer(text, run.path, dataset, resuming, backend.is_main, share, run.print, lowercase)
 
 
 def share_text(backend, text: str | None) -> str:

@@ -14,7 +14,7 @@ from ..data.stream import is_stream
 from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
-from ..inference.image_tokenizers import tokenizer_fingerprint, tokenizer_flag
+from ..inference.image_tokenizers import load_image_tokenizer, tokenizer_fingerprint, tokenizer_flag
 from ..models.clip import CLIP, CLIPConfig
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
@@ -23,7 +23,7 @@ from .configs import CLIPRunConfig, DALLERunConfig, VAERunConfig, VQGANRunConfig
 from .dalle_task import DALLETask
 from .data import DataSpec, datasets
 from .encode import check_codes, encoded_stream
-from .image_tokenizer import check_same_tokenizer, load_image_tokenizer, precomputed, start_of
+from .image_tokenizer import check_same_tokenizer, precomputed, start_of
 from .loop import train
 from .plan import RunPlan
 from .run_dir import RunDir
@@ -129,18 +129,18 @@ def vqgan_task(model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, ex
 def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) -> str:
     """train_dalle.py's run; returns the export's path."""
     cfg = plan.cfg
-    flags = vars(run_cfg)
+    say = print if plan.topo.rank == 0 else (lambda *_: None)  # before the run's log: every local rank gets here
     start = None
     if run_cfg.dalle_path:
-        start, model_cfg, vae, vae_export, vae_id = _start_from(run_cfg, model_cfg)
+        start, model_cfg, vae, vae_export, vae_id = _start_from(run_cfg, model_cfg, say)
     else:
-        vae, vae_export, vae_id = load_image_tokenizer(flags)
+        vae, vae_export, vae_id = load_image_tokenizer(run_cfg, bool(run_cfg.image_text_folder), say)
+    vae_flag = tokenizer_flag(run_cfg, run_cfg.dalle_path)
     previous = RunDir.recorded(RunDir.path_of(cfg, fit_dalle.run_name)) if cfg.resume else None
     if previous is not None:
-        check_same_tokenizer(previous, vae_id, tokenizer_flag(flags))
+        check_same_tokenizer(previous, vae_id, vae_flag)
         if run_cfg.bpe_path and "bpe_lowercase" not in previous.get("dalle", {}):
             run_cfg.bpe_lowercase = True  # a run started before the flag existed lowercased its captions
-            flags = vars(run_cfg)
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
@@ -149,7 +149,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
                         backend, run)  # fmt: skip
         pairs, val_pairs, heldout = data.train, data.val, data.heldout
         if start is None:
-            tokenizer = shared_text_tokenizer(flags, cfg, backend, recovery, run, pairs)
+            tokenizer = shared_text_tokenizer(run_cfg, cfg, backend, recovery, run, pairs, run_cfg.bpe_lowercase)
             model_cfg = dataclasses.replace(
                 model_cfg,
                 num_text_tokens=tokenizer.vocab_size,
@@ -164,7 +164,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
             dalle.load_state_dict(start["weights"])
             run.print(f"started from {run_cfg.dalle_path} (weights only: a new optimizer and schedule)")
         n_params = sum(p.numel() for p in dalle.parameters())
-        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {tokenizer_flag(flags)}")
+        run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {vae_flag}")
         streamed = is_stream(pairs)
         if streamed and pairs.image_key == CODES_KEY:  # token shards (python -m dalle_pytorch.training.encode)
             check_codes(run_cfg.image_text_folder, vae_id)
@@ -201,14 +201,14 @@ def caption_spec(run_cfg, image_size: int, channels: int, heldout_captions: int 
 _TRAINING_ONLY = ("attn_dropout", "ff_dropout", "loss_img_weight", "z_loss_weight", "null_cond_prob")
 
 
-def _start_from(run_cfg, model_cfg: DALLEConfig):
+def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig, say=print):
     """(export, its model config with the training-only flags given, image tokenizer, its export or record,
     its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
 
     given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
     if given:
         raise ValueError(f"--dalle_path brings its own VAE: drop --{', --'.join(given)}")
-    start, vae = start_of(vars(run_cfg))
+    start, vae = start_of(run_cfg, say)
     theirs, defaults = DALLEConfig(**start["config"]), DALLEConfig()
     fixed = [
         f.name
@@ -235,7 +235,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, plan: RunPlan) -> st
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])
         else:
-            tokenizer = shared_text_tokenizer(vars(run_cfg), cfg, backend, recovery, run, pairs)
+            tokenizer = shared_text_tokenizer(run_cfg, cfg, backend, recovery, run, pairs)
         model_cfg = dataclasses.replace(
             model_cfg,
             num_text_tokens=tokenizer.vocab_size,

@@ -172,15 +172,17 @@ def test_concurrent_ranks_download_once(server, capfd):
 # ---------------------------------------------------------------------------- the tokenizers through it
 
 
-FLAGS = dict(vae_path="", taming=False, openai_vae_path="", vqgan_model_path="", vqgan_config_path="")
+def flags(**given):
+    from dalle_pytorch.inference.image_tokenizers import ImageTokenizerConfig
+
+    return ImageTokenizerConfig(**given)
 
 
 def test_a_bare_taming_loads_the_default_vqgan(pretrained_server):
-    from dalle_pytorch.inference.image_tokenizers import tokenizer_flag
-    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer
+    from dalle_pytorch.inference.image_tokenizers import load_image_tokenizer, tokenizer_flag
 
-    flags = {**FLAGS, "taming": True, "pretrained_image_size": 0}
-    vae, record, fingerprint = load_image_tokenizer(flags)
+    taming = flags(taming=True)
+    vae, record, fingerprint = load_image_tokenizer(taming)
     cache = os.path.dirname(pretrained_server.path)
     assert record["kind"] == "vqgan" and vae.image_size == 16 and fingerprint == record["fingerprint"]
     assert record["paths"] == {
@@ -189,28 +191,27 @@ def test_a_bare_taming_loads_the_default_vqgan(pretrained_server):
     }
     assert record["downloaded"] == {"vqgan_model_path": ["vqgan_1024_model"]}
     assert [name for name, _ in pretrained_server.log] == ["vqgan.1024.config.yml", "vqgan.1024.model.ckpt"]
-    assert tokenizer_flag(flags) == "--taming (the predecessor's default VQGAN, downloaded)"
+    assert tokenizer_flag(taming) == "--taming (the predecessor's default VQGAN, downloaded)"
     with pytest.raises(ValueError, match=r"--vqgan_config_path \(\.yaml\) together, or neither"):
-        load_image_tokenizer({**flags, "vqgan_model_path": "m.ckpt"})
+        load_image_tokenizer(flags(taming=True, vqgan_model_path="m.ckpt"))
 
 
 def test_no_vae_with_a_data_folder_loads_openais_dvae_and_generate_refetches_it(pretrained_server, tmp_path, capsys):
     from dalle_pytorch.inference.export import save_export
+    from dalle_pytorch.inference.image_tokenizers import load_image_tokenizer
     from dalle_pytorch.inference.load import load_dalle
     from dalle_pytorch.models.dalle import DALLE, DALLEConfig
-    from dalle_pytorch.training.image_tokenizer import load_image_tokenizer
 
-    flags = {**FLAGS, "pretrained_image_size": 16, "image_text_folder": str(tmp_path)}
-    vae, record, _ = load_image_tokenizer(flags)
+    vae, record, _ = load_image_tokenizer(flags(pretrained_image_size=16), data_given=True)
     out = capsys.readouterr().out
     assert "no --vae_path: using OpenAI's pretrained dVAE, the predecessor's default (pass --vae_path" in out
     cache = os.path.dirname(pretrained_server.path)
     assert record["kind"] == "openai" and record["paths"] == {"openai_vae_path": cache} and vae.num_tokens == 64
     os.makedirs(tmp_path / "empty")  # a folder without the files: downloaded too (here: already in the cache)
-    _, again, _ = load_image_tokenizer({**flags, "image_text_folder": "", "openai_vae_path": str(tmp_path / "empty")})
+    _, again, _ = load_image_tokenizer(flags(pretrained_image_size=16, openai_vae_path=str(tmp_path / "empty")))
     assert again["fingerprint"] == record["fingerprint"] and len(pretrained_server.log) == 2
     with pytest.raises(ValueError, match="--vae_path is required: .* OpenAI's dVAE is downloaded"):
-        load_image_tokenizer({**flags, "image_text_folder": ""})
+        load_image_tokenizer(flags(pretrained_image_size=16))
 
     # generate.py on a machine whose cache lacks the files fetches them again
     cfg = DALLEConfig(dim=32, depth=1, heads=2, dim_head=16, text_seq_len=8, num_image_tokens=64, image_fmap_size=2)

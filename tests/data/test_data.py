@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import json
 import os
@@ -132,10 +133,10 @@ def test_streamed_run_knows_its_epoch_from_the_counted_shards(tmp_path, capsys):
 def test_the_text_tokenizer_builder(tmp_path):
     """One builder for the trainers and convert: a BPE trained on rank 0 beside the run, kept when resuming,
     retrained for a new run, read back without data (convert), and a clear error when it is missing."""
-    from dalle_pytorch.data.build import build_text_tokenizer
+    from dalle_pytorch.data.build import TextTokenizerConfig, build_text_tokenizer
     from dalle_pytorch.data.shapes import ShapesDataset
 
-    flags = {"bpe_path": "", "hug": False, "tokenizer": "yttm", "bpe_vocab_size": 64}
+    flags = TextTokenizerConfig(tokenizer="yttm", bpe_vocab_size=64)
     shared = []
     tok = build_text_tokenizer(flags, str(tmp_path), ShapesDataset(50, 16), share=lambda t: shared.append(t) or t)
     assert shared == [(tmp_path / "bpe.yttm").read_text()] and tok.vocab_size == 64
@@ -150,6 +151,6 @@ def test_the_text_tokenizer_builder(tmp_path):
     assert path.stat().st_mtime_ns == stamp  # a resumed run keeps its vocabulary
     read = build_text_tokenizer(flags, str(tmp_path))
     assert read.encode("a red circle") == tok.encode("a red circle")
-    assert build_text_tokenizer({**flags, "tokenizer": "byte"}, str(tmp_path)).vocab_size == 257
+    assert build_text_tokenizer(dataclasses.replace(flags, tokenizer="byte"), str(tmp_path)).vocab_size == 257
     with pytest.raises(FileNotFoundError, match="bpe.yttm is missing"):
         build_text_tokenizer(flags, str(tmp_path / "elsewhere"))

@@ -21,7 +21,8 @@ import pytest
 import torch
 from helpers import FIXTURES, ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
-from dalle_pytorch.data.build import build_text_tokenizer
+from dalle_pytorch.config import pick
+from dalle_pytorch.data.build import TextTokenizerConfig, build_text_tokenizer
 from dalle_pytorch.data.chinese import ChineseTokenizer, packaged_vocab
 from dalle_pytorch.data.clip_bpe import BUNDLED, ClipTokenizer, read_merges
 from dalle_pytorch.data.tokenizer import tokenizer_from_dict
@@ -126,12 +127,17 @@ def test_clip_to_dict_rebuilds_it_and_reads_a_file_of_ones_own(clip, tmp_path):
     # a plain-text CLIP file with fewer merges (as --bpe_path): 512 byte ids + merges + 2 special tokens
     small = tmp_path / "small_bpe.txt"
     small.write_text("\n".join(read_merges(BUNDLED).split("\n")[:1001]) + "\n")
-    own = build_text_tokenizer({**FLAGS, "tokenizer": "clip", "bpe_path": str(small)}, str(tmp_path))
+    own = build_text_tokenizer(
+        pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "clip", "bpe_path": str(small)}), str(tmp_path)
+    )
     assert own.vocab_size == 512 + 1000 + 2 and own.decode(own.encode("the cat")) == "the cat"
     with pytest.raises(ValueError, match="drop --hug"):
-        build_text_tokenizer({**FLAGS, "tokenizer": "clip", "hug": True}, str(tmp_path))
+        build_text_tokenizer(pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "clip", "hug": True}), str(tmp_path))
     with pytest.raises(FileNotFoundError, match="--bpe_path"):
-        build_text_tokenizer({**FLAGS, "tokenizer": "clip", "bpe_path": str(tmp_path / "nope.txt")}, str(tmp_path))
+        build_text_tokenizer(
+            pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "clip", "bpe_path": str(tmp_path / "nope.txt")}),
+            str(tmp_path),
+        )
 
 
 # --- bert-base-chinese's WordPiece
@@ -150,7 +156,9 @@ SENTENCES = ["一只可爱的小猫坐在窗台上。", "我爱北京天安门�
 
 def test_chinese_mechanics_on_a_vocab_of_ones_own(tmp_path):
     vocab = _tiny_vocab(tmp_path / "vocab.txt", SENTENCES)
-    tok = build_text_tokenizer({**FLAGS, "tokenizer": "chinese", "bpe_path": vocab}, str(tmp_path))
+    tok = build_text_tokenizer(
+        pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "chinese", "bpe_path": vocab}), str(tmp_path)
+    )
     for text in SENTENCES:
         ids = tok.encode(text)
         assert len(ids) == len(text) and 0 not in ids  # a character a token, never padding
@@ -176,11 +184,13 @@ def test_chinese_without_a_vocabulary_says_where_to_get_one(tmp_path, monkeypatc
 
     monkeypatch.setattr(chinese, "packaged_vocab", lambda: "")
     with pytest.raises(FileNotFoundError, match="--bpe_path vocab.txt"):
-        build_text_tokenizer({**FLAGS, "tokenizer": "chinese"}, str(tmp_path))
+        build_text_tokenizer(pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "chinese"}), str(tmp_path))
     bad = tmp_path / "bad.txt"
     bad.write_text("a\nb\n")
     with pytest.raises(ValueError, match="not a BERT vocab.txt"):
-        build_text_tokenizer({**FLAGS, "tokenizer": "chinese", "bpe_path": str(bad)}, str(tmp_path))
+        build_text_tokenizer(
+            pick(TextTokenizerConfig, {**FLAGS, "tokenizer": "chinese", "bpe_path": str(bad)}), str(tmp_path)
+        )
 
 
 def test_chinese_ids_equal_bert_base_chineses(chinese):

@@ -22,7 +22,8 @@ def options(**deepspeed) -> dict:
     [("none", 1, "single"), ("torchrun", 4, "ddp"), ("deepspeed", 2, "deepspeed"), ("ray", 2, "ddp")],
 )
 def test_auto_resolves_for_the_launcher_and_keeps_only_that_backends_options(launcher, world, backend):
-    plan = RunPlan.make(TrainConfig(batch_size=4, global_batch_size=16 * world), options(), Topology(launcher, 0, world))
+    cfg = TrainConfig(batch_size=4, global_batch_size=16 * world)
+    plan = RunPlan.make(cfg, options(), Topology(launcher, 0, world))
     assert plan.backend == backend and plan.accumulation == 4
     assert list(plan.backend_options) == ([backend] if backend == "deepspeed" else [])
     assert plan.global_batch(world) == 16 * world
