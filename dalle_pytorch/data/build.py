@@ -5,49 +5,68 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..config import flag
 from .stream import is_stream
 from .tokenizer import ByteTokenizer, HugTokenizer, Tokenizer, YttmTokenizer
+from .wds import StreamOptions
 
 
-def build_dataset(
-    folder: str,
-    wds: str,
-    captions: bool,
-    image_size: int,
-    channels: int,
-    resize_ratio: float,
-    *,
-    rank: int,
-    world_size: int,
-    seed: int,
-    dataset_size: int,
-    folder_flag: str,
-    stream=None,
-):
+@dataclass(frozen=True)
+class DataSpec:
+    """What a run's data flags say, in one object: where the samples are, their shape, how they are drawn and how
+    shards are read. build_dataset() turns it into a dataset for one rank."""
+
+    folder: str  # --image_folder (VAE) or --image_text_folder: a folder, or shard URLs with `wds`; "": built-in
+    folder_flag: str  # its flag, for messages
+    wds: str  # WebDataset keys (jpg,txt), or ""
+    captions: bool  # image/caption pairs (DALLE, CLIP) or images only (VAE)
+    image_size: int
+    channels: int = 3
+    resize_ratio: float = 1.0  # random resized crops keep at least this fraction (1: centre crop)
+    val_folder: str = ""  # --val_image_text_folder / --val_image_folder
+    val_folder_flag: str = "--val_image_text_folder"
+    heldout_captions: int = 0  # --val_heldout_captions (DALLE)
+    seed: int = 0  # the sample order's (and the built-in data's)
+    dataset_size: int = 0  # samples of the built-in data
+    stream: StreamOptions = field(default_factory=StreamOptions)  # how shards are read
+
+    @property
+    def keys(self) -> str:
+        """The WebDataset keys read: image and caption, or the image alone."""
+        return self.wds if self.captions else self.wds.split(",")[0]
+
+    def validation(self) -> DataSpec:
+        """The validation folder's (or shards') spec: read as training reads, centre-cropped."""
+        return replace(self, folder=self.val_folder, folder_flag=self.val_folder_flag, resize_ratio=1.0)
+
+
+def build_dataset(spec: DataSpec, rank: int = 0, world_size: int = 1):
     """(image, caption) samples: WebDataset shards (`wds` names the keys, `folder` holds the URLs), an image or
     caption folder, or the built-in synthetic set when no folder is given. `captions`: pairs are needed (DALLE).
-    `stream`: how shards are read (wds.StreamOptions)."""
-    if wds:
+    `rank` of `world_size`: the stream's share of the shards."""
+    if spec.wds:
         from .wds import WebDatasetPairs
 
-        if not folder:
-            raise ValueError(f"--wds needs the shard URLs in {folder_flag}, e.g. 'shards/{{000..099}}.tar'")
-        if captions and "," not in wds:
-            raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {wds!r})")
-        keys = wds if captions else wds.split(",")[0]
-        return WebDatasetPairs(folder, keys, image_size, channels, resize_ratio, rank, world_size, seed, stream)
-    if folder:
+        if not spec.folder:
+            raise ValueError(f"--wds needs the shard URLs in {spec.folder_flag}, e.g. 'shards/{{000..099}}.tar'")
+        if spec.captions and "," not in spec.wds:
+            raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {spec.wds!r})")
+        return WebDatasetPairs(
+            spec.folder, spec.keys, spec.image_size, spec.channels, spec.resize_ratio, rank, world_size, spec.seed,
+            spec.stream,
+        )  # fmt: skip
+    if spec.folder:
         from .folders import CaptionFolder, ImageFolder
 
-        return (CaptionFolder if captions else ImageFolder)(folder, image_size, channels, resize_ratio)
-    if channels != 3:
-        raise ValueError(f"the built-in dataset is RGB: use --channels 3 or give {folder_flag}")
+        folder = CaptionFolder if spec.captions else ImageFolder
+        return folder(spec.folder, spec.image_size, spec.channels, spec.resize_ratio)
+    if spec.channels != 3:
+        raise ValueError(f"the built-in dataset is RGB: use --channels 3 or give {spec.folder_flag}")
     from .shapes import ShapesDataset
 
-    return ShapesDataset(dataset_size, image_size, seed=seed)
+    return ShapesDataset(spec.dataset_size, spec.image_size, seed=spec.seed)
 
 
 def describe(dataset) -> str:

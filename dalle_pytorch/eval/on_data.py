@@ -29,7 +29,7 @@ import torch
 from torchvision.utils import save_image
 
 from ..config import pick
-from ..data.build import build_dataset
+from ..data.build import DataSpec, build_dataset
 from ..data.stream import is_stream
 from ..inference.image_tokenizers import ImageTokenizerConfig, load_image_tokenizer
 from ..inference.load import load_dalle, pick_device
@@ -43,8 +43,7 @@ def validation_pairs(folder: str, wds: str, image_size: int, n: int, captions: b
     (a caption folder, or WebDataset shards whose keys `wds` names), resized and centre-cropped to `image_size`."""
     if n < MIN_IMAGES:
         raise ValueError(f"--num_images must be at least {MIN_IMAGES}: the Inception Score's splits (got {n})")
-    where = dict(rank=0, world_size=1, seed=0, dataset_size=0, folder_flag="--image_text_folder")
-    data = build_dataset(folder, wds, captions, image_size, 3, 1.0, **where)
+    data = build_dataset(DataSpec(folder, "--image_text_folder", wds, captions, image_size))
     if is_stream(data):
         data.count(say=warnings.warn)  # a validation set: counted here, no index kept
         pairs = list(itertools.islice((item for item in data if isinstance(item, tuple)), n))

@@ -1,5 +1,6 @@
-"""A run's data in one place: what the flags say about it (DataSpec, one per trainer), and `datasets()`, which
-returns the training, validation and held-out sets for all three trainers.
+"""A run's data in one place: what the flags say about it (data.build.DataSpec, one per trainer: `image_data`,
+`caption_data`), and `datasets()`, which returns the training, validation and held-out sets for all three
+trainers.
 
 Where the validation samples come from: a folder (or, with --wds, shards) of their own (--val_image_text_folder,
 or --val_image_folder for the VAE), else the last --val_fraction of a seeded permutation of the training samples
@@ -16,26 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.build import build_dataset, describe
+from ..data.build import DataSpec, build_dataset, describe
 from ..data.stream import is_stream
 from .session import add_up
 from .validation import Split
 
 
-@dataclass(frozen=True)
-class DataSpec:
-    """What the flags say about a trainer's data."""
+def image_data(run_cfg, cfg, image_size: int, channels: int) -> DataSpec:
+    """train_vae.py's data flags (VAERunConfig) with the run's (TrainConfig: seed, built-in size, stream)."""
+    return DataSpec(
+        run_cfg.image_folder, "--image_folder", run_cfg.wds, False, image_size, channels, run_cfg.resize_ratio,
+        run_cfg.val_image_folder, "--val_image_folder", 0, cfg.seed, cfg.dataset_size, cfg.stream_options(),
+    )  # fmt: skip
 
-    folder: str  # --image_folder (VAE) or --image_text_folder: a folder, or shard URLs with `wds`; "": built-in
-    folder_flag: str  # its flag, for messages
-    wds: str  # WebDataset keys (jpg,txt), or ""
-    captions: bool  # image/caption pairs (DALLE, CLIP) or images only (VAE)
-    image_size: int
-    channels: int
-    resize_ratio: float
-    val_folder: str = ""  # --val_image_text_folder / --val_image_folder
-    val_folder_flag: str = "--val_image_text_folder"
-    heldout_captions: int = 0  # --val_heldout_captions (DALLE)
+
+def caption_data(run_cfg, cfg, image_size: int, channels: int, heldout_captions: int = 0) -> DataSpec:
+    """The data flags of train_dalle.py and train_clip.py (CaptionDataConfig) with the run's (TrainConfig)."""
+    return DataSpec(
+        run_cfg.image_text_folder, "--image_text_folder", run_cfg.wds, True, image_size, channels,
+        run_cfg.resize_ratio, run_cfg.val_image_text_folder, "--val_image_text_folder", heldout_captions, cfg.seed,
+        cfg.dataset_size, cfg.stream_options(),
+    )  # fmt: skip
 
 
 @dataclass
@@ -48,11 +50,7 @@ class DataSets:
 def datasets(spec: DataSpec, cfg, backend, run) -> DataSets:
     """This rank's training data (streamed shards counted once, into --shards_index or the run's shards.json), its
     validation samples and held-out scenes, said in the run's log."""
-    train = build_dataset(
-        spec.folder, spec.wds, spec.captions, spec.image_size, spec.channels, spec.resize_ratio,
-        rank=backend.rank, world_size=backend.world_size, seed=cfg.seed, dataset_size=cfg.dataset_size,
-        folder_flag=spec.folder_flag, stream=cfg.stream_options(),
-    )  # fmt: skip
+    train = build_dataset(spec, backend.rank, backend.world_size)
     if is_stream(train):
         index = cfg.shards_index or os.path.join(run.path, "shards.json")
         train.count(index, lambda counts: add_up(backend, counts), run.print)
@@ -70,11 +68,9 @@ def held_out(cfg, backend, dataset, spec: DataSpec):
             raise ValueError(f"{flag if folder else '--val_fraction'} is read every --val_every N steps: set it")
         return dataset, None
     if folder and spec.wds:
-        return dataset, shard_samples(folder, spec, cfg, cfg.val_batches * cfg.batch_size * backend.world_size)
+        return dataset, shard_samples(spec.validation(), cfg.val_batches * cfg.batch_size * backend.world_size)
     if folder:
-        where = dict(rank=backend.rank, world_size=backend.world_size, seed=cfg.seed, dataset_size=0)
-        val = build_dataset(folder, "", spec.captions, spec.image_size, spec.channels, 1.0, folder_flag=flag, **where)
-        return dataset, val
+        return dataset, build_dataset(spec.validation(), backend.rank, backend.world_size)
     if cfg.val_fraction:
         if not 0 < cfg.val_fraction < 1:
             raise ValueError(f"--val_fraction must be between 0 and 1 (got {cfg.val_fraction:g})")
@@ -98,18 +94,13 @@ def heldout_scenes(dataset, captions: int, cfg, backend):
     return dataset.heldout_split(max(1, captions // backend.world_size) * backend.world_size)
 
 
-def shard_samples(urls: str, spec: DataSpec, cfg, n: int) -> list:
-    """The first `n` readable samples of the shards `urls` (with the training's --wds keys), centre-cropped, in
-    memory: validation samples from shards (--val_image_text_folder 'val/{000..003}.tar'), the same on every
-    rank (each validates its share), read once."""
-    from ..data.wds import WebDatasetPairs
-
-    keys = spec.wds if spec.captions else spec.wds.split(",")[0]
-    stream = WebDatasetPairs(
-        urls, keys, spec.image_size, spec.channels, 1.0, seed=cfg.seed, options=cfg.stream_options()
-    )
+def shard_samples(spec: DataSpec, n: int) -> list:
+    """The first `n` readable samples of the shards `spec` names (the validation's: --val_image_text_folder
+    'val/{000..003}.tar' with the training's --wds keys), centre-cropped, in memory, the same on every rank (each
+    validates its share), read once."""
+    stream = build_dataset(spec)
     stream.count(say=warnings.warn)  # a small set: every rank counts it, keeping no index
     samples = list(itertools.islice((item for item in stream if isinstance(item, tuple)), n))
     if not samples:
-        raise ValueError(f"{spec.val_folder_flag} {urls}: no sample could be read (see the warnings above)")
+        raise ValueError(f"{spec.folder_flag} {spec.folder}: no sample could be read (see the warnings above)")
     return samples

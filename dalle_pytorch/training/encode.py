@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import json
 import os
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from ..data import storage
+from ..data.build import DataSpec, build_dataset
 from ..data.folders import image_transform
 from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
 from ..data.shards import RETRIES, ShardError, open_shard
@@ -123,10 +125,10 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
     return n, skipped
 
 
-def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, backend, cfg) -> WebDatasetPairs:
-    """--precompute_tokens with --wds: the shards of `pairs` encoded into the run's tokens/ (every rank its share;
-    a resumed run keeps what was done), then streamed as codes. The ranks wait for each other by looking at the
-    files, not in a collective, so a long encoding does not run into --dist_timeout."""
+def encoded_stream(pairs: WebDatasetPairs, spec: DataSpec, vae, vae_id: str, run, backend) -> WebDatasetPairs:
+    """--precompute_tokens with --wds: the shards of `pairs` (read as `spec` says) encoded into the run's tokens/
+    (every rank its share; a resumed run keeps what was done), then streamed as codes. The ranks wait for each
+    other by looking at the files, not in a collective, so a long encoding does not run into --dist_timeout."""
     out = os.path.join(run.path, "tokens")
     os.makedirs(out, exist_ok=True)
     failed = os.path.join(out, f"failed-rank{backend.rank}")
@@ -137,8 +139,8 @@ def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, bac
     backend.barrier()
     t = time.perf_counter()
     try:
-        n = encode_shards(pairs.shards, keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
-                          backend.world_size, retries=cfg.shard_retries, say=run.print)  # fmt: skip
+        n = encode_shards(pairs.shards, spec.keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
+                          backend.world_size, retries=spec.stream.retries, say=run.print)  # fmt: skip
     except Exception as e:
         with open(failed, "w") as f:  # the other ranks, waiting for this rank's shards, stop too
             f.write(f"{type(e).__name__}: {e}\n")
@@ -157,8 +159,8 @@ def encoded_stream(pairs: WebDatasetPairs, keys: str, vae, vae_id: str, run, bac
         time.sleep(1)
     backend.barrier()
     run.print(f"image codes of {len(pairs.shards)} shards in {out} ({n} encoded now, {time.perf_counter() - t:.0f}s)")
-    tokens = WebDatasetPairs(out, f"{CODES_KEY},txt", vae.image_size, rank=backend.rank,
-                             world_size=backend.world_size, seed=pairs.seed, options=pairs.options)  # fmt: skip
+    codes = dataclasses.replace(spec, folder=out, wds=f"{CODES_KEY},txt")  # the caption is written as txt
+    tokens = build_dataset(codes, backend.rank, backend.world_size)
     tokens.count(os.path.join(out, "shards.json"), lambda counts: add_up(backend, counts), run.print)
     return tokens
 

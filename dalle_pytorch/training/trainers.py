@@ -21,7 +21,7 @@ from ..models.vae import DiscreteVAE, VAEConfig
 from .clip_task import CLIPTask
 from .configs import CLIPRunConfig, DALLERunConfig, VAERunConfig, VQGANRunConfig
 from .dalle_task import DALLETask
-from .data import DataSpec, datasets
+from .data import caption_data, datasets, image_data
 from .encode import check_codes, encoded_stream
 from .image_tokenizer import check_same_tokenizer, precomputed, start_of
 from .loop import train
@@ -52,10 +52,7 @@ def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, pla
     cfg = plan.cfg
     configs = {"model": model_cfg, "vae": run_cfg, "vqgan": vq, "train": cfg}
     with training_session(plan, fit_vae.run_name, configs) as (backend, recovery, run):
-        spec = DataSpec(
-            run_cfg.image_folder, "--image_folder", run_cfg.wds, False, model_cfg.image_size, model_cfg.channels,
-            run_cfg.resize_ratio, run_cfg.val_image_folder, "--val_image_folder",
-        )  # fmt: skip
+        spec = image_data(run_cfg, cfg, model_cfg.image_size, model_cfg.channels)
         data = datasets(spec, cfg, backend, run)
         dataset, val = data.train, data.val
         export_path = run_cfg.vae_output or os.path.join(run.path, "vae.safetensors")
@@ -145,8 +142,8 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
     with training_session(plan, fit_dalle.run_name, configs) as (backend, recovery, run):
-        data = datasets(caption_spec(run_cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions), cfg,
-                        backend, run)  # fmt: skip
+        spec = caption_data(run_cfg, cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions)
+        data = datasets(spec, cfg, backend, run)
         pairs, val_pairs, heldout = data.train, data.val, data.heldout
         if start is None:
             tokenizer = shared_text_tokenizer(run_cfg, cfg, backend, recovery, run, pairs, run_cfg.bpe_lowercase)
@@ -169,7 +166,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         if streamed and pairs.image_key == CODES_KEY:  # token shards (python -m dalle_pytorch.training.encode)
             check_codes(run_cfg.image_text_folder, vae_id)
         elif streamed and run_cfg.precompute_tokens:
-            pairs = encoded_stream(pairs, run_cfg.wds, vae, vae_id, run, backend, cfg)
+            pairs = encoded_stream(pairs, spec, vae, vae_id, run, backend)
         dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
         if run_cfg.precompute_tokens and not streamed:
             dataset = precomputed(dataset, vae, vae_id, run, backend)
@@ -187,14 +184,6 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
             run.print(f"truncated {dataset.truncated.value} captions to --text_seq_len {model_cfg.text_seq_len}")
         run.print(f"done at step {pos.step}: export {task.export_path}")
         return task.export_path
-
-
-def caption_spec(run_cfg, image_size: int, channels: int, heldout_captions: int = 0) -> DataSpec:
-    """The data flags of train_dalle.py and train_clip.py (CaptionDataConfig)."""
-    return DataSpec(
-        run_cfg.image_text_folder, "--image_text_folder", run_cfg.wds, True, image_size, channels,
-        run_cfg.resize_ratio, run_cfg.val_image_text_folder, "--val_image_text_folder", heldout_captions,
-    )  # fmt: skip
 
 
 # what --dalle_path fixes (its export's model) and what a fine-tuning run may still change
@@ -230,7 +219,7 @@ def fit_clip(model_cfg: CLIPConfig, run_cfg: CLIPRunConfig, plan: RunPlan) -> st
     channels = fit["channels"] if fit else run_cfg.channels
     configs = {"model": model_cfg, "clip": run_cfg, "train": cfg}
     with training_session(plan, fit_clip.run_name, configs) as (backend, recovery, run):
-        data = datasets(caption_spec(run_cfg, size, channels), cfg, backend, run)
+        data = datasets(caption_data(run_cfg, cfg, size, channels), cfg, backend, run)
         pairs, val_pairs = data.train, data.val
         if fit:
             tokenizer = tokenizer_from_dict(fit["tokenizer"])

@@ -329,8 +329,9 @@ def test_validation_loss_is_the_same_on_one_process_and_two_ranks(tmp_path):
 
 
 def test_held_out_samples_as_the_flags_say(tmp_path):
+    from dalle_pytorch.data.build import DataSpec
     from dalle_pytorch.data.shapes import ShapesDataset
-    from dalle_pytorch.training.data import DataSpec, held_out
+    from dalle_pytorch.training.data import held_out
     from distributed import Topology, make_backend
 
     backend = make_backend("single", Topology("none"))
