@@ -74,15 +74,18 @@ def run_fit(fit, ns: argparse.Namespace, *configs):
     try:
         if not ray.ray_workers:
             return fit(*configs, RunPlan.make(cfg, backend_options))
-        from distributed.ray_launcher import run_on_ray
+        from distributed.ray_launcher import check_launch, run_on_ray
 
+        lo, hi = check_launch(ray, cfg)  # what cannot run on Ray at all, first
+        # planned as on the Ray workers (launcher 'ray'), at each number of workers they may have
+        plan = RunPlan.make(cfg, backend_options, Topology("ray", world_size=lo))
+        for n in range(lo + 1, hi + 1):
+            plan.on(Topology("ray", world_size=n))  # says which --global_batch_size / --batch_size to change
         if cfg.mlflow:  # the workers run elsewhere: the tracking store this process would use
             from dalle_pytorch.training.trackers.mlflow_run import absolute_uri
 
             cfg.mlflow = absolute_uri(cfg.mlflow)
-        # planned as on the Ray workers (launcher 'ray'); run_on_ray moves the plan to each number of workers
-        plan = RunPlan.make(cfg, backend_options, Topology("ray"))
-        return run_on_ray(fit, configs, plan, ray, RunDir.path_of(cfg, fit.run_name))
+        return run_on_ray(fit, configs, plan, (lo, hi), ray, RunDir.path_of(cfg, fit.run_name))
     except Stopped as e:  # the loop said so: "SIGTERM: saved a checkpoint at step N; resume with --resume auto"
         if cfg.exit_code_on_stop:
             raise SystemExit(cfg.exit_code_on_stop) from None

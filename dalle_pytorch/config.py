@@ -72,8 +72,9 @@ def take(ns: argparse.Namespace, cls):
 
 
 def pick(cls, source):
-    """The dataclass `cls` from the fields of `source` that name its own: a record (config.json's section, a dict;
-    a missing key keeps its default: runs recorded before the field existed) or another config with those fields."""
+    """The dataclass `cls` from the fields of `source` that name its own: a record (config.json's section, a dict)
+    or another config with those fields. A key the record lacks (a run recorded before the field existed) takes
+    the field's default: where such runs behaved otherwise (--bpe_lowercase), the caller reads the record itself."""
     if isinstance(source, Mapping):
         return cls(**{f.name: source[f.name] for f in dataclasses.fields(cls) if f.name in source})
     return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls) if hasattr(source, f.name)})

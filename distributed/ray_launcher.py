@@ -19,15 +19,14 @@ import sys
 import time
 
 from .ray_config import RayOptions
-from .topology import Topology, topology_from_env
+from .topology import topology_from_env
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the workers import the project from it
 
 
-def check_launch(opts: RayOptions, plan) -> tuple[int, int]:
-    """The (min, max) workers, after refusing in one line what cannot run on Ray. `plan`: the run's plan
-    (dalle_pytorch/training/plan.py), made for launcher 'ray'."""
-    cfg = plan.cfg
+def check_launch(opts: RayOptions, cfg) -> tuple[int, int]:
+    """The (min, max) workers, after refusing in one line what cannot run on Ray (before the run's plan is made
+    for them: its flags, backend and accumulation at each number of workers)."""
     opts.validate()
     lo, hi = opts.worker_range()
     outer = topology_from_env().launcher
@@ -50,16 +49,14 @@ def check_launch(opts: RayOptions, plan) -> tuple[int, int]:
                 f"--ray_workers {opts.ray_workers} lets the number of workers change: set --global_batch_size so "
                 "that every optimizer step sees the same batch whatever the number (accumulation makes it up)"
             )
-    for n in range(lo, hi + 1):  # the accumulation at each number says which --global_batch_size to change
-        plan.on(Topology("ray", world_size=n))
     return lo, hi
 
 
-def run_on_ray(fit, configs: tuple, plan, opts: RayOptions, run_dir: str):
-    """Run `fit(*configs, plan)` on Ray Train workers, each with the plan moved to its own place in the job;
-    returns what rank 0's returned (the export). `run_dir`: the run's directory (where the workers write), for
-    Ray's own records beside the run's."""
-    lo, hi = check_launch(opts, plan)
+def run_on_ray(fit, configs: tuple, plan, workers: tuple[int, int], opts: RayOptions, run_dir: str):
+    """Run `fit(*configs, plan)` on (min, max) `workers` Ray Train workers (check_launch's), each with the run's
+    plan (dalle_pytorch/training/plan.py) moved to its own place in the job; returns what rank 0's returned (the
+    export). `run_dir`: the run's directory (where the workers write), for Ray's own records beside the run's."""
+    lo, hi = workers
     cfg = plan.cfg
     try:
         import ray

@@ -1,5 +1,5 @@
-"""What the loop feeds on: each rank's batches, resumable at the exact next unseen sample, and the run's
-step count."""
+"""What the loop feeds on: each rank's batches, resumable at the exact next unseen sample (the run's step count
+is the plan's: plan.py)."""
 
 from __future__ import annotations
 

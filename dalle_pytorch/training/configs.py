@@ -1,7 +1,8 @@
 """The run configs: what every trainer shares (TrainConfig) and each trainer's own flags (VAERunConfig,
-DALLERunConfig, CLIPRunConfig, with the caption data and text tokenizer groups they share). Every field is a
-flag with a default and a help text (dalle_pytorch/config.py); arguments.py builds the scripts' parsers from
-these, the trainers (trainers.py) and the loop take them typed, and config.json / config.yaml record them."""
+DALLERunConfig, CLIPRunConfig, with the caption data group they share and the tokenizer groups of data/build.py
+and inference/image_tokenizers.py). Every field is a flag with a default and a help text (dalle_pytorch/config.py);
+arguments.py builds the scripts' parsers from these, the trainers (trainers.py) and the run's plan (plan.py) take
+them typed, and config.json / config.yaml record them."""
 
 from __future__ import annotations
 

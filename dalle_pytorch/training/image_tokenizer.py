@@ -1,6 +1,6 @@
-"""What train_dalle.py and convert build from the image-tokenizer flags: the frozen tokenizer with its
-export (our VAE's) or record (a pretrained one's) and one fingerprint, the check that a resumed run keeps
-its tokenizer, and the image tokens precomputed once for --precompute_tokens."""
+"""The image tokenizer in training (the tokenizer itself: inference/image_tokenizers.py): the --dalle_path a run
+starts from (its export and tokenizer, also for convert), the check that a resumed run keeps its tokenizer, and
+the image tokens precomputed once for --precompute_tokens."""
 
 from __future__ import annotations
 

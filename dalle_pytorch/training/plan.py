@@ -3,7 +3,9 @@ once, then pass the result"): the validated flags, this process's place in the j
 it with its own options, and the micro-batches per optimizer step; the optimizer steps of the run once the data
 is counted (`counted`).
 
-The entry point makes the plan (arguments.run_fit); everything below reads it, and nothing computes these again.
+The entry point makes the plan (arguments.run_fit), so a launch that cannot work (another backend's flag, a
+--global_batch_size that the ranks cannot divide) is one line before any model loads or downloads; everything
+below reads the plan, and nothing computes these again.
 A Ray Train worker moves the driver's plan to its own place in the job (`on`): the flags were validated by the
 driver. An elastic Horovod run keeps its plan while workers come and go: it refuses --global_batch_size and
 --epochs (TrainConfig.check_elastic), so neither the accumulation (1) nor the steps (--steps) depend on the number
@@ -26,7 +28,7 @@ from .configs import TrainConfig
 @dataclass(frozen=True)
 class RunPlan:
     cfg: TrainConfig  # validated
-    topo: Topology  # this process's place, as its launcher says
+    topo: Topology  # this process's place, as its launcher says (the Ray driver's: its smallest worker group)
     backend: str  # the backend's name ('auto' resolved for the launcher)
     backend_options: dict  # that backend's own options alone, by its name (make_backend's keywords)
     accumulation: int  # micro-batches per optimizer step: batch_size x world size x this = --global_batch_size
@@ -41,9 +43,10 @@ class RunPlan:
 
     @classmethod
     def _at(cls, cfg: TrainConfig, backend_options: dict, topo: Topology) -> RunPlan:
+        accumulation = cfg.accumulation_steps(topo.world_size)  # says which --global_batch_size to change
         backend = resolve_backend(cfg.distributed_backend, topo)
         options = applicable_options(backend, backend_options)  # another backend's flag: refused in one line
-        return cls(cfg, topo, backend, options, cfg.accumulation_steps(topo.world_size))
+        return cls(cfg, topo, backend, options, accumulation)
 
     def on(self, topo: Topology, **changes) -> RunPlan:
         """The same (validated) flags, with `changes`, planned where `topo` places this process."""

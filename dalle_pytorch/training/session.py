@@ -1,4 +1,4 @@
-"""What both training scripts share: topology -> backend (and how the loop is recovered) -> run directory."""
+"""What every trainer shares: the run's plan -> backend (and how the loop is recovered) -> run directory."""
 
 from __future__ import annotations
 

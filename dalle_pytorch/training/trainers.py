@@ -1,8 +1,9 @@
 """What each training script runs, given its parsed configs: the session, the data, the model, the task,
 the loop, and the export. The scripts at the root parse flags and call these (fit_vae, fit_dalle, fit_clip).
 
-The run configs they take (VAERunConfig, DALLERunConfig, CLIPRunConfig, and TrainConfig) are in configs.py; each
-fit function's `run_name` is its run directory's name without --name."""
+Each takes the script's own configs (VAERunConfig, DALLERunConfig, CLIPRunConfig: configs.py) and the run's plan
+(plan.py: the validated TrainConfig, topology, backend, accumulation); each fit function's `run_name` is its run
+directory's name without --name."""
 
 from __future__ import annotations
 

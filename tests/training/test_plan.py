@@ -42,6 +42,8 @@ def test_auto_resolves_for_the_launcher_and_keeps_only_that_backends_options(lau
          "--global_batch_size 12 is not a multiple of --batch_size x world size = 4 x 2"),
         (TrainConfig(), options(zero_stage=3), Topology("torchrun", 0, 2), "--zero_stage is a deepspeed flag"),
         (TrainConfig(distributed_backend="single"), {}, Topology("torchrun", 0, 2), "would train N unsynchronized"),
+        (TrainConfig(distributed_backend="single", batch_size=4, global_batch_size=6), {}, Topology("torchrun", 0, 2),
+         "--global_batch_size 6 is not a multiple"),  # the batch first, as the session said it before the plan
     ],
 )  # fmt: skip
 def test_a_bad_plan_is_one_line_naming_the_flag(cfg, opts, topo, says):
