@@ -4,7 +4,7 @@
 encoded CC12M with its VQGAN once so.
 
     python -m dalle_pytorch.training.encode --shards 'data/{00000..00099}.tar' --wds jpg,txt \\
-        --vae_path runs/vae/vae.safetensors --out tokens/
+        --vae_path runs/vae/vae.safetensors --out tokens/          # or --out s3://bucket/tokens/
     torchrun --nproc_per_node 8 -m dalle_pytorch.training.encode ...    # srun, mpirun, deepspeed: the same
 
 Every rank encodes shards i with i % world_size == rank (no collective: the ranks never wait for each other). A
@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tarfile
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +37,6 @@ from ..data.folders import image_transform
 from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
 from ..data.shards import RETRIES, ShardError, open_shard
 from ..data.wds import REASONS, WebDatasetPairs, shard_urls
-from ..files import atomic_write_json
 from .session import add_up
 
 META = "encode.json"
@@ -46,26 +46,26 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
                   retries: int = RETRIES, say=print) -> int:  # fmt: skip
     """Encode this rank's shards of `urls` into `out`; returns how many it wrote now (finished ones are kept)."""
     image_key, _, caption_key = keys.partition(",")
-    os.makedirs(out, exist_ok=True)
+    if storage.scheme(out) == "local":
+        os.makedirs(storage.local_path(out), exist_ok=True)
     check_meta(out, vae_id)
     if rank == 0:
         meta = {"vae_fingerprint": vae_id, "image_size": vae.image_size, "fmap_size": vae.fmap_size,
                 "num_tokens": vae.num_tokens, "wds": keys, "sources": list(urls)}  # fmt: skip
-        atomic_write_json(meta, os.path.join(out, META), indent=1)
+        storage.write_bytes(storage.join(out, META), json.dumps(meta, indent=1).encode())
     transform = image_transform(vae.image_size, 1.0, train=False)  # the centre crop, once for all epochs
     mode = "RGBA" if vae.channels == 4 else "RGB"
     written = 0
     for i in range(rank, len(urls), world):
         dest = _path(out, i, ".tar")
-        if os.path.exists(dest):
+        if storage.exists(dest):
             continue
         t = time.perf_counter()
         try:
             shard = open_shard(urls[i], retries)
         except ShardError as e:
             say(f"warning: shard {e.url} is unreadable: {e.why}; not encoded (run again to retry it)")
-            with open(_path(out, i, ".unreadable"), "w") as f:
-                f.write(e.why + "\n")
+            storage.write_bytes(_path(out, i, ".unreadable"), (e.why + "\n").encode())
             continue
         if shard.truncated_at is not None:
             say(f"warning: shard {urls[i]} is truncated at byte {shard.truncated_at}: {len(shard)} samples before it")
@@ -83,11 +83,13 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
 @torch.no_grad()
 def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transform, mode: str, batch_size: int,
                  threads: int = 4):  # fmt: skip
-    """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest`; the
-    images are decoded in `threads` threads ahead of the VAE (PIL and torch's ops release the GIL)."""
+    """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest` (a path,
+    or an object store's URL: written here first, then put whole); the images are decoded in `threads` threads
+    ahead of the VAE (PIL and torch's ops release the GIL)."""
     device = next(vae.parameters()).device
     skipped = dict.fromkeys(REASONS, 0)
-    tmp = f"{dest}.tmp{os.getpid()}"
+    local = storage.local_path(dest)
+    tmp = f"{local or os.path.join(tempfile.gettempdir(), os.path.basename(dest))}.tmp{os.getpid()}"
     n = 0
     with tarfile.open(tmp, "w") as tar:
         pending: list[tuple[str, bytes, torch.Tensor]] = []
@@ -119,9 +121,16 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
                 flush()
         if pending:
             flush()
-    base = dest[: -len(".tar")]
-    atomic_write_json({"successes": n, "source": shard.url, "skipped": skipped}, f"{base}_stats.json", indent=1)
-    os.replace(tmp, dest)  # complete: a restarted job keeps it
+    stats = {"successes": n, "source": shard.url, "skipped": skipped}
+    storage.write_bytes(f"{dest[: -len('.tar')]}_stats.json", json.dumps(stats, indent=1).encode())
+    if local:
+        os.replace(tmp, local)  # complete: a restarted job keeps it
+    else:
+        try:
+            with open(tmp, "rb") as f:
+                storage.write_bytes(dest, f.read())  # a token shard is small (codes, captions): one put
+        finally:
+            os.remove(tmp)
     return n, skipped
 
 
@@ -183,7 +192,7 @@ def check_codes(folder_or_urls: str, vae_id: str) -> None:
 
 
 def _path(out: str, i: int, ext: str) -> str:
-    return os.path.join(out, f"tokens-{i:06d}{ext}")
+    return storage.join(out, f"tokens-{i:06d}{ext}")
 
 
 def _ahead(fn, items, depth: int, threads: int):
@@ -199,15 +208,14 @@ def _ahead(fn, items, depth: int, threads: int):
 
 
 def check_meta(out: str, vae_id: str) -> None:
-    path = os.path.join(out, META)
-    if not os.path.exists(path):
+    path = storage.join(out, META)
+    if not storage.exists(path):
         return
-    with open(path) as f:
-        recorded = json.load(f).get("vae_fingerprint")
+    recorded = json.loads(storage.read_bytes(path)).get("vae_fingerprint")
     if recorded != vae_id:
         raise ValueError(
-            f"{out} holds the codes of another image tokenizer (fingerprint {recorded}, this one {vae_id}): "
-            "encode into another --out, or pass the tokenizer that made them"
+            f"{storage.redact(out)} holds the codes of another image tokenizer (fingerprint {recorded}, this one "
+            f"{vae_id}): encode into another --out, or pass the tokenizer that made them"
         )
 
 
@@ -227,7 +235,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", required=True, help="the source shards: a folder, a brace pattern or URLs")
     p.add_argument("--wds", required=True, help="the image and caption keys of the source shards, e.g. jpg,txt")
-    p.add_argument("--out", required=True, help="folder of the token shards (tokens-000000.tar ...)")
+    p.add_argument(
+        "--out", required=True, help="folder or object store URL (s3://...) of the token shards (tokens-000000.tar ...)"
+    )
     p.add_argument("--batch_size", type=int, default=64, help="images per VAE pass")
     p.add_argument("--shard_retries", type=int, default=RETRIES, help="retries of a shard (HTTP) that fails")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
@@ -236,6 +246,8 @@ def main(argv=None) -> int:
     with user_errors(args.debug):
         if "," not in args.wds:
             raise ValueError(f"--wds must name the image and caption keys, as in --wds jpg,txt (got {args.wds!r})")
+        if storage.scheme(args.out) not in ("local", "fsspec"):
+            raise ValueError(f"--out {storage.redact(args.out)}: give a folder, or an object store URL (s3://, gs://)")
         topo = topology_from_env()
         set_threads(0, topo)
         say = print if topo.rank == 0 else (lambda *_: None)
@@ -245,8 +257,9 @@ def main(argv=None) -> int:
         urls = shard_urls(args.shards)
         n = encode_shards(urls, args.wds, vae, vae_id, args.out, topo.rank, topo.world_size,
                           batch_size=args.batch_size, retries=args.shard_retries)  # fmt: skip
-        left = [i for i in range(len(urls)) if not os.path.exists(_path(args.out, i, ".tar"))]
-        print(f"rank {topo.rank}: encoded {n} shards; {len(urls) - len(left)} of {len(urls)} are in {args.out}")
+        left = [i for i in range(len(urls)) if not storage.exists(_path(args.out, i, ".tar"))]
+        where = storage.redact(args.out)
+        print(f"rank {topo.rank}: encoded {n} shards; {len(urls) - len(left)} of {len(urls)} are in {where}")
         if left:
             print(
                 f"{len(left)} shards are not encoded yet (other ranks' or failed): run again to finish", file=sys.stderr

@@ -181,9 +181,11 @@ def test_img2dataset_output_written_to_the_store_trains_as_is(tmp_path, s3_serve
 
 def test_the_encode_command_and_validation_read_the_store(tmp_path, s3_server, monkeypatch):  # noqa: F811
     """`python -m dalle_pytorch.training.encode --shards s3://...` writes the token shards it writes from the same
-    files on disk, and --val_image_folder s3://... validates from the store."""
-    from helpers import ONE_THREAD, TINY_VAE_MODEL
+    files on disk, into a folder or into the store (--out s3://..., where DALLE trains on them), and
+    --val_image_folder s3://... validates from the store."""
+    from helpers import ONE_THREAD, TINY_DALLE_MODEL, TINY_VAE_MODEL
 
+    import train_dalle
     import train_vae
     from dalle_pytorch.data.shards import open_shard
     from dalle_pytorch.training import encode
@@ -198,9 +200,20 @@ def test_the_encode_command_and_validation_read_the_store(tmp_path, s3_server, m
         monkeypatch.setenv(k, v)
     S3FileSystem.clear_instance_cache()
     encode.main(["--shards", pattern, "--wds", "png,txt", "--vae_path", vae, "--out", str(tmp_path / "b")])
+    s3_server.put("tokens")
+    encode.main(["--shards", pattern, "--wds", "png,txt", "--vae_path", vae, "--out", "s3://tokens/run/"])
     for i in range(6):
-        a, b = (open_shard(str(tmp_path / d / f"tokens-{i:06d}.tar")) for d in "ab")
-        assert len(a) == len(b) == 8 and all(a.read(j) == b.read(j) for j in range(8))
+        name = f"tokens-{i:06d}.tar"
+        a, b, c = (
+            open_shard(u) for u in (str(tmp_path / "a" / name), str(tmp_path / "b" / name), f"s3://tokens/run/{name}")
+        )
+        assert len(a) == len(b) == len(c) == 8 and all(a.read(j) == b.read(j) == c.read(j) for j in range(8))
+    stored = s3_server.fs().ls("tokens/run")
+    assert sum(n.endswith("_stats.json") for n in stored) == 6 and not [n for n in stored if ".tmp" in n], stored
+    train_dalle.main([*TINY_DALLE_MODEL, *ONE_THREAD, "--vae_path", vae, "--wds", "codes.npy,txt",
+                      "--image_text_folder", "s3://tokens/run/", "--batch_size", "4", "--num_workers", "0",
+                      "--steps", "1", "--quiet", "--sample_every", "0",
+                      "--output_dir", str(tmp_path / "dalle")])  # fmt: skip
     val = pattern.replace("000005", "000001")
     out = tmp_path / "run"
     train_vae.main([*common, "--wds", "png", "--image_folder", pattern, "--val_image_folder", val, "--val_every", "2",
