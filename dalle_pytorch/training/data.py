@@ -26,17 +26,20 @@ from .validation import Split
 def image_data(run_cfg, cfg, image_size: int, channels: int) -> DataSpec:
     """train_vae.py's data flags (VAERunConfig) with the run's (TrainConfig: seed, built-in size, stream)."""
     return DataSpec(
-        run_cfg.image_folder, "--image_folder", run_cfg.wds, False, image_size, channels, run_cfg.resize_ratio,
-        run_cfg.val_image_folder, "--val_image_folder", 0, cfg.seed, cfg.dataset_size, cfg.stream_options(),
+        run_cfg.image_folder, "--image_folder", run_cfg.wds, captions=False, image_size=image_size,
+        channels=channels, resize_ratio=run_cfg.resize_ratio, val_folder=run_cfg.val_image_folder,
+        val_folder_flag="--val_image_folder", seed=cfg.seed, dataset_size=cfg.dataset_size,
+        stream=cfg.stream_options(),
     )  # fmt: skip
 
 
 def caption_data(run_cfg, cfg, image_size: int, channels: int, heldout_captions: int = 0) -> DataSpec:
     """The data flags of train_dalle.py and train_clip.py (CaptionDataConfig) with the run's (TrainConfig)."""
     return DataSpec(
-        run_cfg.image_text_folder, "--image_text_folder", run_cfg.wds, True, image_size, channels,
-        run_cfg.resize_ratio, run_cfg.val_image_text_folder, "--val_image_text_folder", heldout_captions, cfg.seed,
-        cfg.dataset_size, cfg.stream_options(),
+        run_cfg.image_text_folder, "--image_text_folder", run_cfg.wds, captions=True, image_size=image_size,
+        channels=channels, resize_ratio=run_cfg.resize_ratio, val_folder=run_cfg.val_image_text_folder,
+        val_folder_flag="--val_image_text_folder", heldout_captions=heldout_captions, seed=cfg.seed,
+        dataset_size=cfg.dataset_size, stream=cfg.stream_options(),
     )  # fmt: skip
 
 

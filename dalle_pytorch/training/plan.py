@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from distributed import StepOptions, Topology, applicable_options, topology_from_env
-from distributed.topology import resolve_backend
+from distributed import StepOptions, Topology, applicable_options, resolve_backend, topology_from_env
 
 from ..data import shard_plan
 from ..data.stream import is_stream
