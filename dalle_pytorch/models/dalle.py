@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import flag
+from .layers import FEED_FORWARDS, NORMS, norm_layer
 from .transformer import ATTN_TYPES, KVCache, Transformer, attention_mask
 
 
@@ -23,7 +24,11 @@ class DALLEConfig:
     depth: int = flag(4, "transformer blocks")
     heads: int = flag(4, "attention heads")
     dim_head: int = flag(64, "width of each attention head")
-    ff_mult: int = flag(4, "feed-forward expansion")
+    ff_mult: int = flag(4, "feed-forward expansion (swiglu: 2/3 of it, as Llama's)")
+    norm: str = flag("layernorm", "the blocks' and the output's norm: layernorm (2021) or rmsnorm (Llama)", NORMS)
+    ff: str = flag("geglu", "feed-forward: geglu (the reference's) or swiglu (Llama's, no biases)", FEED_FORWARDS)
+    ff_multiple_of: int = flag(256, "swiglu's hidden width is rounded up to a multiple of this (Llama, LlamaGen: 256)")
+    kv_heads: int = flag(0, "key/value heads: fewer than --heads is grouped-query attention; 0 = --heads")
     attn_dropout: float = flag(0.0, "attention dropout")
     ff_dropout: float = flag(0.0, "feed-forward dropout")
     attn_types: list = flag(["full"], "attention pattern per layer, cycled over depth: " + ", ".join(ATTN_TYPES))
@@ -71,6 +76,13 @@ class DALLEConfig:
         for name in ("depth", "heads", "dim_head"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1 (got {getattr(self, name)})")
+        for name, kinds in (("norm", NORMS), ("ff", FEED_FORWARDS)):
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"--{name}: unknown {getattr(self, name)!r}; use one of {', '.join(kinds)}")
+        if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
+            raise ValueError(f"--kv_heads must divide --heads {self.heads} (got {self.kv_heads}); 0 means --heads")
+        if self.ff_multiple_of < 1:
+            raise ValueError(f"--ff_multiple_of must be at least 1 (got {self.ff_multiple_of})")
         if self.dim % 4 or self.dim < 4:
             raise ValueError(f"--dim must be a positive multiple of 4 (got {self.dim})")
         if not 0 <= self.null_cond_prob < 1:
@@ -109,7 +121,7 @@ class DALLE(nn.Module):
             self.image_row = nn.Embedding(cfg.image_fmap_size, d)
             self.image_col = nn.Embedding(cfg.image_fmap_size, d)
         self.transformer = Transformer(cfg)
-        self.norm = nn.LayerNorm(d)
+        self.norm = norm_layer(cfg.norm, d)
         self.divide_max = DivideMax() if cfg.stable else nn.Identity()
         self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=cfg.reference_layout)
         self.image_head = nn.Linear(d, cfg.num_image_tokens, bias=cfg.reference_layout)
@@ -217,7 +229,8 @@ class DALLE(nn.Module):
     # ------------------------------------------------------------------------------------------ decoding
     def new_cache(self, batch: int, device, dtype=torch.float32) -> KVCache:
         c = self.cfg
-        return KVCache(batch, c.seq_len, c.depth, c.heads, c.dim_head, c.dim, device, dtype, c.shift_tokens)
+        kv = c.kv_heads or c.heads
+        return KVCache(batch, c.seq_len, c.depth, kv, c.dim_head, c.dim, device, dtype, c.shift_tokens)
 
     def prefill(self, text: torch.Tensor, cache: KVCache, image_prime: torch.Tensor | None = None) -> torch.Tensor:
         """Run the caption (and any priming image tokens (b, k)) through the model, filling the cache's

@@ -1,5 +1,6 @@
 """The decoder-only transformer under DALLE: pre-norm blocks, SDPA attention (sparse patterns computed sparsely),
-rotary positions, token shift, and the stabilizers users know (CogView's, sandwich norm, QK-norm).
+rotary positions, token shift, the stabilizers users know (CogView's, sandwich norm, QK-norm), and Llama's parts
+(RMSNorm, SwiGLU, grouped-query attention: layers.py and --kv_heads).
 
 The sequence is [<bos>, text (text_seq_len), image (fmap^2)] minus its last token. Masks are built once
 per attention type from the layout; the KV cache lets generation decode one token per step.
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import flex
+from .layers import feed_forward, norm_layer
 from .sparse_attention import SparseLayout, sparse_attention
 
 ATTN_TYPES = ("full", "axial_row", "axial_col", "conv_like", "sparse")
@@ -125,7 +127,8 @@ class LayerCache:
 
 
 class KVCache:
-    """Static per-layer buffers for the whole sequence (gpt-fast style): decoding writes one row at a time."""
+    """Static per-layer buffers for the whole sequence (gpt-fast style): decoding writes one row at a time.
+    `heads` is the number of key/value heads: grouped-query attention (--kv_heads) shrinks the cache with it."""
 
     def __init__(
         self, batch: int, n_max: int, depth: int, heads: int, dim_head: int, dim: int, device, dtype, shift: bool
@@ -145,22 +148,44 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, dim_head: int, dropout: float, qk_norm: bool, causal_only: bool):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        dim_head: int,
+        dropout: float,
+        qk_norm: bool,
+        causal_only: bool,
+        kv_heads: int = 0,
+        norm: str = "layernorm",
+    ):
+        """`kv_heads` < `heads`: grouped-query attention (Ainslie et al. 2023), each key/value head serving
+        heads // kv_heads query heads; 0 means one per query head. With kv_heads == heads the projection's
+        layout is the one every earlier export has: [q | k | v], each heads * dim_head wide."""
         super().__init__()
         self.heads, self.dim_head = heads, dim_head
+        self.kv_heads = kv_heads or heads
         self.causal_only = causal_only  # the mask is plain causal: SDPA's fused is_causal path serves it
-        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.to_qkv = nn.Linear(dim, (heads + 2 * self.kv_heads) * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.dropout = dropout
-        self.q_norm = nn.LayerNorm(dim_head) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(dim_head) if qk_norm else nn.Identity()
+        self.q_norm = norm_layer(norm, dim_head) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(norm, dim_head) if qk_norm else nn.Identity()
 
     def _qkv(self, x: torch.Tensor, angles: torch.Tensor | None):
-        q, k, v = rearrange(self.to_qkv(x), "b m (three h d) -> three b h m d", three=3, h=self.heads)
+        d = self.dim_head
+        q, k, v = self.to_qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = rearrange(q, "b m (h d) -> b h m d", d=d)
+        k, v = (rearrange(t, "b m (h d) -> b h m d", d=d) for t in (k, v))  # (b, kv_heads, m, d)
         q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         return q, k, v
+
+    def _grouped(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, kv_heads, n, d) -> (b, heads, n, d) for the kernels without a grouped-query mode (the sparse
+        pieces, flex); SDPA reads the grouped keys directly (enable_gqa)."""
+        return t if self.kv_heads == self.heads else t.repeat_interleave(self.heads // self.kv_heads, dim=1)
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_out(rearrange(out, "b h m d -> b m (h d)"))
@@ -174,12 +199,13 @@ class Attention(nn.Module):
             cache.k[:, :, :m] = k
             cache.v[:, :, :m] = v
         drop = self.dropout if self.training else 0.0
-        if self.causal_only:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)  # fused/flash path
+        gqa = self.kv_heads != self.heads
+        if self.causal_only:  # fused/flash path
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, enable_gqa=gqa)
         elif layout is not None and m == mask.shape[0]:
-            out = sparse_attention(q, k, v, layout, drop)  # only the scores the pattern keeps
+            out = sparse_attention(q, self._grouped(k), self._grouped(v), layout, drop)  # the scores kept only
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop, enable_gqa=gqa)
         return self._out(out)
 
     def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout: SparseLayout | None = None):
@@ -192,22 +218,10 @@ class Attention(nn.Module):
         cache.k.index_copy_(2, at, k)
         cache.v.index_copy_(2, at, v)
         if layout is not None and flex.serves(q, layout.flex):
-            return self._out(flex.attend(q, cache.k, cache.v, layout.flex, pos))
-        return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask.index_select(0, at)))
-
-
-class FeedForward(nn.Module):
-    """GEGLU feed-forward (as in the reference)."""
-
-    def __init__(self, dim: int, mult: int, dropout: float):
-        super().__init__()
-        self.proj_in = nn.Linear(dim, dim * mult * 2)
-        self.drop = nn.Dropout(dropout)
-        self.proj_out = nn.Linear(dim * mult, dim)
-
-    def forward(self, x):
-        a, gate = self.proj_in(x).chunk(2, dim=-1)
-        return self.proj_out(self.drop(a * F.gelu(gate)))
+            return self._out(flex.attend(q, self._grouped(cache.k), self._grouped(cache.v), layout.flex, pos))
+        gqa = self.kv_heads != self.heads
+        row = mask.index_select(0, at)
+        return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=row, enable_gqa=gqa))
 
 
 class Block(nn.Module):
@@ -216,13 +230,15 @@ class Block(nn.Module):
         super().__init__()
         dim = cfg.dim
         self.attn_type = attn_type
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.norm1, self.norm2 = norm_layer(cfg.norm, dim), norm_layer(cfg.norm, dim)
         full = attn_type == "full"
-        self.attn = attn or Attention(dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, full)
-        self.ff = ff or FeedForward(dim, cfg.ff_mult, cfg.ff_dropout)
+        self.attn = attn or Attention(
+            dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, full, cfg.kv_heads, cfg.norm
+        )
+        self.ff = ff or feed_forward(cfg)
         # sandwich norm (CogView): normalize each branch's output too
-        self.post1 = nn.LayerNorm(dim) if cfg.sandwich_norm else nn.Identity()
-        self.post2 = nn.LayerNorm(dim) if cfg.sandwich_norm else nn.Identity()
+        self.post1 = norm_layer(cfg.norm, dim) if cfg.sandwich_norm else nn.Identity()
+        self.post2 = norm_layer(cfg.norm, dim) if cfg.sandwich_norm else nn.Identity()
         # LayerScale (CaiT), part of `stable`: small residual branches early in training
         init = 0.1 if layer_index < 18 else 1e-5
         self.scale1 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None

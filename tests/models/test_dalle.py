@@ -35,6 +35,9 @@ VARIANTS = [dict(attn_types=[t]) for t in ATTN_TYPES] + [
     dict(shift_tokens=True),
     dict(stable=True, sandwich_norm=True, qk_norm=True),
     dict(attn_types=["full", "axial_row", "axial_col", "conv_like", "sparse"], shift_tokens=True, rotary_emb=True),
+    # Llama's blocks: RMSNorm, SwiGLU, grouped-query attention (one key/value head for the two query heads)
+    dict(norm="rmsnorm", ff="swiglu", kv_heads=1, rotary_emb=True),
+    dict(attn_types=["full", "axial_row", "sparse"], norm="rmsnorm", ff="swiglu", kv_heads=1, qk_norm=True),
 ]
 
 
@@ -345,3 +348,23 @@ def test_a_row_with_its_own_generator_draws_the_same_alone_or_batched(cond_scale
         assert torch.equal(together[i : i + 1], alone), i
     with pytest.raises(ValueError, match="3 generators for 4 caption rows"):
         generate_image_tokens(m, text, generator=[torch.Generator() for _ in range(3)])
+
+
+def test_llama_blocks_have_llamas_widths_and_a_grouped_cache():
+    from dalle_pytorch.models.layers import SwiGLU, swiglu_hidden
+
+    assert swiglu_hidden(4096, 4, 256) == 11008  # Llama 7B
+    assert swiglu_hidden(1280, 4, 256) == 3584  # LlamaGen's GPT-XL
+    m = model(norm="rmsnorm", ff="swiglu", kv_heads=1, ff_multiple_of=8)
+    block = m.transformer.layers[0]
+    assert isinstance(block.norm1, torch.nn.RMSNorm) and isinstance(m.norm, torch.nn.RMSNorm)
+    assert isinstance(block.ff, SwiGLU) and block.ff.w1.out_features == 88 and block.ff.w1.bias is None
+    assert block.attn.to_qkv.out_features == (2 + 2 * 1) * 16
+    cache = m.new_cache(3, "cpu")
+    assert cache.layers[0].k.shape == (3, 1, m.cfg.seq_len, 16)  # one key/value head, not two
+
+
+@pytest.mark.parametrize("bad", [dict(kv_heads=3), dict(kv_heads=-1), dict(norm="batchnorm"), dict(ff="relu")])
+def test_llama_options_refuse_what_cannot_be_built(bad):
+    with pytest.raises(ValueError, match="--kv_heads|--norm|--ff"):
+        model(**bad)
