@@ -3,6 +3,12 @@
 The frozen VAE stays outside this module: the model sees image token ids, the trainer tokenizes images.
 Text and image have their own embeddings and output heads, which is the logits mask in structural form:
 text positions can only predict text tokens and image positions only image tokens.
+
+A caption reaches the model in one of two forms. Token ids (b, text_seq_len), embedded here and predicted too
+(DALL-E's text loss). Or, with a frozen pretrained encoder (--text_encoder; the encoder stays outside as the VAE
+does), its features (b, text_seq_len, text_feature_dim) with zero vectors at padding: projected by an MLP into
+the caption positions (LlamaGen's CaptionEmbedder), padding never attended to, no text loss. A caption with no
+real token at all (a dropped caption, the unconditional row of guidance) reads a learned null caption instead.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class DALLEConfig:
     num_text_tokens: int = 257
     num_image_tokens: int = 128
     image_fmap_size: int = 8
+    # the frozen text encoder's width: captions arrive as features, num_text_tokens is 0 (set by --text_encoder)
+    text_feature_dim: int = 0
 
     def __post_init__(self):
         # `--attn_types full axial_row` or the predecessor's `--attn_types full,axial_row`
@@ -114,7 +122,13 @@ class DALLE(nn.Module):
         self.cfg = cfg
         d = cfg.dim
         self.bos = nn.Parameter(torch.randn(d) * 0.02)
-        self.text_emb = nn.Embedding(cfg.num_text_tokens, d)
+        if cfg.text_feature_dim:  # LlamaGen's CaptionEmbedder: an MLP from the encoder's width, tanh-GELU between
+            f = cfg.text_feature_dim
+            self.caption_proj = nn.Sequential(nn.Linear(f, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
+            self.null_caption = nn.Parameter(torch.randn(cfg.text_seq_len, d) * 0.02)
+            self.text_emb = self.text_head = None
+        else:
+            self.text_emb = nn.Embedding(cfg.num_text_tokens, d)
         self.image_emb = nn.Embedding(cfg.num_image_tokens, d)
         if not cfg.rotary_emb:
             self.text_pos = nn.Embedding(cfg.text_seq_len + 1, d)
@@ -123,10 +137,12 @@ class DALLE(nn.Module):
         self.transformer = Transformer(cfg)
         self.norm = norm_layer(cfg.norm, d)
         self.divide_max = DivideMax() if cfg.stable else nn.Identity()
-        self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=cfg.reference_layout)
+        if not cfg.text_feature_dim:
+            self.text_head = nn.Linear(d, cfg.num_text_tokens, bias=cfg.reference_layout)
         self.image_head = nn.Linear(d, cfg.num_image_tokens, bias=cfg.reference_layout)
         if cfg.share_input_output_emb:
-            self.text_head.weight = self.text_emb.weight
+            if self.text_head is not None:
+                self.text_head.weight = self.text_emb.weight
             self.image_head.weight = self.image_emb.weight
         self.apply(self._init)
 
@@ -138,9 +154,18 @@ class DALLE(nn.Module):
                 nn.init.zeros_(m.bias)
 
     # ------------------------------------------------------------------------------------------ layout
+    @property
+    def reads_features(self) -> bool:
+        """Whether captions arrive as a frozen encoder's features rather than token ids."""
+        return bool(self.cfg.text_feature_dim)
+
     def _check(self, text: torch.Tensor, image: torch.Tensor | None) -> None:
         c = self.cfg
-        if text.dim() != 2 or text.shape[1] != c.text_seq_len:
+        if self.reads_features:
+            want = (c.text_seq_len, c.text_feature_dim)
+            if text.dim() != 3 or tuple(text.shape[1:]) != want or not text.is_floating_point():
+                raise ValueError(f"text must be (b, {want[0]}, {want[1]}) caption features, got {tuple(text.shape)}")
+        elif text.dim() != 2 or text.shape[1] != c.text_seq_len:
             raise ValueError(f"text must be (b, {c.text_seq_len}) token ids, got {tuple(text.shape)}")
         if image is not None and (image.dim() != 2 or image.shape[1] > c.image_seq_len):
             raise ValueError(f"image must be (b, <= {c.image_seq_len}) token ids, got {tuple(image.shape)}")
@@ -153,12 +178,29 @@ class DALLE(nn.Module):
             x = x + self.image_row(idx // f) + self.image_col(idx % f)
         return x
 
+    def caption_keys(self, text: torch.Tensor) -> torch.Tensor | None:
+        """(b, 1 + text_seq_len) which of [bos, caption] may be attended to: a features caption's real tokens,
+        or all of a null caption's; None for token ids (their padding is a token the model reads, as in DALL-E)."""
+        if not self.reads_features:
+            return None
+        real = (text != 0).any(-1)  # (b, T): padding is the zero vector
+        real = real | ~real.any(-1, keepdim=True)  # no real token: the learned null caption, read whole
+        return torch.cat([real.new_ones(real.shape[0], 1), real], dim=1)
+
+    def _caption(self, text: torch.Tensor) -> torch.Tensor:
+        """(b, T) ids or (b, T, F) features -> (b, T, dim)."""
+        if not self.reads_features:
+            return self.text_emb(self._padded(text) if self.cfg.reference_layout else text)
+        dtype = self.caption_proj[0].weight.dtype
+        has_caption = (text != 0).any(-1).any(-1)[:, None, None]  # (b, 1, 1)
+        projected = self.caption_proj(text.to(dtype))
+        return torch.where(has_caption, projected, self.null_caption.to(projected.dtype))
+
     def embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """Embeddings of the input positions [bos, text, image tokens given]: (b, 1 + text_seq_len + k, dim)."""
         b, c = text.shape[0], self.cfg
-        if c.reference_layout:
-            text = self._padded(text)
-        x = torch.cat([self.bos.expand(b, 1, -1), self.text_emb(text)], dim=1)  # (b, T+1, d)
+        caption = self._caption(text)
+        x = torch.cat([self.bos.to(caption.dtype).expand(b, 1, -1), caption], dim=1)  # (b, T+1, d)
         if not c.rotary_emb:
             x = x + self.text_pos.weight
         if image is not None and image.shape[1]:
@@ -175,7 +217,7 @@ class DALLE(nn.Module):
         return self.divide_max(self.norm(h))
 
     def _hidden(self, text, image, cache: KVCache | None = None) -> torch.Tensor:
-        return self._final(self.transformer(self.embed(text, image), cache))
+        return self._final(self.transformer(self.embed(text, image), cache, self.caption_keys(text)))
 
     def logits(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         """(b, seq_len, num_text_tokens + num_image_tokens), -inf where a position may not predict a token."""
@@ -184,15 +226,24 @@ class DALLE(nn.Module):
         c = self.cfg
         t, i = c.text_seq_len, c.num_text_tokens
         out = torch.full((*h.shape[:2], i + c.num_image_tokens), float("-inf"), device=h.device, dtype=h.dtype)
-        out[:, :t, :i] = self.text_head(h[:, :t])
+        if self.text_head is not None:  # a features caption has no vocabulary: its positions predict nothing
+            out[:, :t, :i] = self.text_head(h[:, :t])
         out[:, t:, i:] = self.image_head(h[:, t:])
         return out
 
     def text_logits(self, text: torch.Tensor) -> torch.Tensor:
         """(b, text_seq_len, num_text_tokens): at position p the logits of text token p given tokens < p (the
         caption half alone; causal attention, so the tokens after p do not matter)."""
+        self._no_features("predicting caption tokens (--gentxt)")
         self._check(text, None)
         return self.text_head(self._hidden(text, None)[:, : self.cfg.text_seq_len]).float()
+
+    def _no_features(self, what: str) -> None:
+        if self.reads_features:
+            raise ValueError(
+                f"{what} needs a DALLE that reads caption tokens: this one reads a frozen text encoder's "
+                "features and predicts no caption (train with --tokenizer and no --text_encoder for it)"
+            )
 
     def is_padding(self, ids: torch.Tensor) -> torch.Tensor:
         """Which text ids mean padding: 0, and with the reference layout the padding id of every position."""
@@ -206,11 +257,14 @@ class DALLE(nn.Module):
         self._check(text, image)
         c = self.cfg
         if self.training and c.null_cond_prob > 0:  # caption dropout for classifier-free guidance
-            keep = torch.rand(text.shape[0], 1, device=text.device) >= c.null_cond_prob
-            text = text * keep
+            keep = torch.rand(text.shape[0], device=text.device) >= c.null_cond_prob
+            text = text * keep.view(-1, *[1] * (text.dim() - 1))  # all padding: the null caption
         h = self._hidden(text, image[:, :-1])  # (b, T + I, d)
-        text_logits = self.text_head(h[:, : c.text_seq_len]).float()  # position p predicts text token p
         image_logits = self.image_head(h[:, c.text_seq_len :]).float()  # position T + k predicts image token k
+        if self.reads_features:  # nothing to predict in the caption: the image loss alone
+            image_loss = F.cross_entropy(image_logits.transpose(1, 2), image)
+            return self._with_z_loss(image_loss, {"image_loss": image_loss.detach()}, [image_logits])
+        text_logits = self.text_head(h[:, : c.text_seq_len]).float()  # position p predicts text token p
         if c.reference_layout:  # the predecessor's: every position, padding as its own per-position token
             text_loss = F.cross_entropy(text_logits.transpose(1, 2), self._padded(text))
         else:  # padding (id 0) gets no loss; an all-padding caption contributes nothing to the text loss
@@ -219,10 +273,12 @@ class DALLE(nn.Module):
         image_loss = F.cross_entropy(image_logits.transpose(1, 2), image)
         loss = (text_loss + c.loss_img_weight * image_loss) / (c.loss_img_weight + 1)
         metrics = {"text_loss": text_loss.detach(), "image_loss": image_loss.detach()}
-        if c.z_loss_weight > 0:  # PaLM's z-loss keeps the log-partition near 0
-            z = torch.cat([text_logits.logsumexp(-1).flatten(), image_logits.logsumexp(-1).flatten()])
-            z_loss = z.pow(2).mean()
-            loss = loss + c.z_loss_weight * z_loss
+        return self._with_z_loss(loss, metrics, [text_logits, image_logits])
+
+    def _with_z_loss(self, loss: torch.Tensor, metrics: dict, logits: list) -> tuple[torch.Tensor, dict]:
+        if self.cfg.z_loss_weight > 0:  # PaLM's z-loss keeps the log-partition near 0
+            z_loss = torch.cat([x.logsumexp(-1).flatten() for x in logits]).pow(2).mean()
+            loss = loss + self.cfg.z_loss_weight * z_loss
             metrics["z_loss"] = z_loss.detach()
         return loss, metrics
 

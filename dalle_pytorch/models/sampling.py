@@ -55,7 +55,8 @@ def generate_image_tokens(
     compile: bool | str = False,
     on_token=None,
 ) -> torch.Tensor:
-    """(b, text_seq_len) caption ids -> (b, image_seq_len) image token ids. use_cache=False recomputes the
+    """(b, text_seq_len) caption ids, or (b, text_seq_len, F) caption features for a DALLE that reads captions
+    through a frozen encoder -> (b, image_seq_len) image token ids. use_cache=False recomputes the
     whole prefix every token (the reference the cache is checked against). compile: each step (decode and
     pick) through torch.compile, one graph for every position, compiled once per model, batch and settings;
     compile="reduce-overhead" replays that graph as a CUDA graph (on a GPU: no per-kernel launch cost).
@@ -67,7 +68,7 @@ def generate_image_tokens(
     b = text.shape[0]
     guided = cond_scale != 1.0
     rows = torch.cat([text, torch.zeros_like(text)]) if guided else text  # unconditional = all-padding caption
-    image = prime if prime is not None else text.new_zeros(b, 0)
+    image = prime if prime is not None else torch.zeros(b, 0, dtype=torch.long, device=text.device)
     if guided:
         image = torch.cat([image, image])
     k0 = image.shape[1]

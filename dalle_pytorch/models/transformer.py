@@ -136,6 +136,8 @@ class KVCache:
         def zeros(*shape):
             return torch.zeros(shape, device=device, dtype=dtype)
 
+        # (b, n_max) which keys may be read at all: set by a prefill whose caption has padding (None: every key)
+        self.keys: torch.Tensor | None = None
         self.layers = [
             LayerCache(
                 k=zeros(batch, heads, n_max, dim_head),
@@ -200,7 +202,9 @@ class Attention(nn.Module):
             cache.v[:, :, :m] = v
         drop = self.dropout if self.training else 0.0
         gqa = self.kv_heads != self.heads
-        if self.causal_only:  # fused/flash path
+        if mask.dim() == 4:  # (b, 1, n, n): the pattern and each row's caption padding (Transformer.forward)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :m, :m], dropout_p=drop, enable_gqa=gqa)
+        elif self.causal_only:  # fused/flash path
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, enable_gqa=gqa)
         elif layout is not None and m == mask.shape[0]:
             out = sparse_attention(q, self._grouped(k), self._grouped(v), layout, drop)  # the scores kept only
@@ -208,7 +212,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:m, :m], dropout_p=drop, enable_gqa=gqa)
         return self._out(out)
 
-    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout: SparseLayout | None = None):
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout=None, keys=None):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim): write its key and value at `pos`, attend
         over the whole static buffer with mask row `pos`, which hides every key after it. No shape depends
         on the position, so one compiled graph serves every step (gpt-fast's decode). A sparse pattern on
@@ -217,10 +221,12 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, None if angles is None else angles.index_select(0, at))
         cache.k.index_copy_(2, at, k)
         cache.v.index_copy_(2, at, v)
-        if layout is not None and flex.serves(q, layout.flex):
+        if layout is not None and keys is None and flex.serves(q, layout.flex):
             return self._out(flex.attend(q, self._grouped(cache.k), self._grouped(cache.v), layout.flex, pos))
         gqa = self.kv_heads != self.heads
-        row = mask.index_select(0, at)
+        row = mask.index_select(0, at)  # (1, n)
+        if keys is not None:  # (b, n): the caption's padding stays unread
+            row = row & keys[:, None, None, :]
         return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=row, enable_gqa=gqa))
 
 
@@ -252,9 +258,10 @@ class Block(nn.Module):
         pos = torch.arange(x.shape[1], device=x.device)
         return self._residuals(x, pos, cache, lambda h: self.attn(h, mask, angles, cache, layout))
 
-    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout: SparseLayout | None = None):
+    def decode(self, x, mask, angles, cache: LayerCache, pos: torch.Tensor, layout=None, keys=None):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim), reading and extending the cache."""
-        return self._residuals(x, pos.view(1), cache, lambda h: self.attn.decode(h, mask, angles, cache, pos, layout))
+        attend = lambda h: self.attn.decode(h, mask, angles, cache, pos, layout, keys)  # noqa: E731
+        return self._residuals(x, pos.view(1), cache, attend)
 
     def _residuals(self, x, pos, cache: LayerCache | None, attend):
         h = self.post1(attend(self._shifted(self.norm1(x), pos, None if cache is None else cache.attn_in)))
@@ -320,19 +327,29 @@ class Transformer(nn.Module):
     def _layout(self, layer: Block) -> SparseLayout | None:
         return self.layouts[layer.attn_type] if layer.attn_type in self.layouts else None
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one.
+        keys (b, k <= m): which of the first k positions may be attended to (a caption's padding may not); the
+        attention then takes a per-row mask instead of its pattern's fused or sparse path."""
         recompute = self.checkpoint_activations and cache is None and torch.is_grad_enabled()
+        m = x.shape[1]
+        if keys is not None:
+            keys = torch.cat([keys, keys.new_ones(keys.shape[0], m - keys.shape[1])], dim=1)  # (b, m)
+            if cache is not None:
+                n_max = cache.layers[0].k.shape[2]
+                cache.keys = torch.cat([keys, keys.new_ones(keys.shape[0], n_max - m)], dim=1)
         for i, layer in enumerate(self.layers):
-            layout = self._layout(layer)
+            mask, layout = self._mask(layer), self._layout(layer)
+            if keys is not None:
+                mask, layout = mask[:m, :m] & keys[:, None, None, :], None  # (b, 1, m, m)
             if recompute:  # only the block's input is kept; non-reentrant, so it nests in DDP, FSDP, ZeRO-3, compile
-                x = checkpoint(layer, x, self._mask(layer), self.angles, None, layout, use_reentrant=False)
+                x = checkpoint(layer, x, mask, self.angles, None, layout, use_reentrant=False)
             else:
-                x = layer(x, self._mask(layer), self.angles, None if cache is None else cache.layers[i], layout)
+                x = layer(x, mask, self.angles, None if cache is None else cache.layers[i], layout)
         return x
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x (b, 1, dim) at position `pos` (0-dim tensor) -> (b, 1, dim), attending over the cache."""
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer.decode(x, self._mask(layer), self.angles, layer_cache, pos, self._layout(layer))
+            x = layer.decode(x, self._mask(layer), self.angles, layer_cache, pos, self._layout(layer), cache.keys)
         return x
