@@ -139,7 +139,13 @@ def _chinese(data: str) -> Tokenizer:
     return ChineseTokenizer(data)
 
 
-def tokenizer_from_dict(d: dict) -> Tokenizer:
+def tokenizer_from_dict(d: dict, text_encoder_path: str = "") -> Tokenizer:
+    """The tokenizer a record (an export's, a run's) describes; a frozen encoder's from `text_encoder_path` when
+    given (where it lives on this machine), else from the recorded path."""
+    if d.get("kind") == "text_encoder":
+        from .encoder_tokenizer import EncoderTokenizer
+
+        return EncoderTokenizer(d["encoder"], text_encoder_path or d["path"], d.get("fingerprint", ""))
     kinds = {
         "byte": lambda _: ByteTokenizer(),
         "yttm": YttmTokenizer,
@@ -148,7 +154,9 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         "chinese": _chinese,
     }
     if d.get("kind") not in kinds:
-        raise ValueError(f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted(kinds)}")
+        raise ValueError(
+            f"unknown tokenizer kind {d.get('kind')!r}: expected one of {sorted([*kinds, 'text_encoder'])}"
+        )
     options = {k: v for k, v in d.items() if k in ("lowercase", "offset")}  # a converted predecessor's variants
     return kinds[d["kind"]](d["data"], **options)
 

@@ -1,0 +1,95 @@
+"""The tokenizer of a frozen pretrained text encoder (T5, CLIP's text tower), as `transformers` saves it beside the
+encoder's weights: the captions' ids for --text_encoder. Ids are the encoder's own plus one, so that 0 stays
+padding as in every tokenizer here; the encoder (inference/text_encoders.py) takes them back by one."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .tokenizer_base import Tokenizer
+
+ENCODERS = ("t5", "clip")
+
+
+def hub_hint(path: str) -> str:
+    """What to do when `path` is neither a folder nor in the Hugging Face cache."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+    )
+    return (
+        f"--text_encoder_path {path}: no such folder, and not in the Hugging Face cache {cache} "
+        f"(offline, or no network): run `hf download {path}` where there is a network and copy the cache, "
+        "or pass the folder that save_pretrained wrote (config.json, the weights and the tokenizer files)"
+    )
+
+
+def load_hf(loader, path: str):
+    """loader(path) from a folder, or by Hugging Face name through its cache (downloaded once); one line if
+    neither can be had."""
+    try:
+        return loader(path)
+    except OSError as e:
+        if os.path.isdir(path):
+            raise OSError(f"--text_encoder_path {path}: {str(e).splitlines()[0]}") from e
+        raise OSError(hub_hint(path)) from e
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("--text_encoder needs transformers: run `make install`") from e
+    transformers.logging.set_verbosity_error()  # its load reports and progress bars: not in a run's output
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+class EncoderTokenizer(Tokenizer):
+    kind = "text_encoder"
+
+    def __init__(self, encoder: str, path: str, fingerprint: str = ""):
+        if encoder not in ENCODERS:
+            raise ValueError(f"--text_encoder: unknown {encoder!r}; use one of {', '.join(ENCODERS)}")
+        if not path:
+            raise ValueError(f"--text_encoder {encoder} needs --text_encoder_path (a folder or a Hugging Face name)")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork after it loads
+        self.encoder, self.path, self.fingerprint = encoder, path, fingerprint
+        self.hf = load_hf(_transformers().AutoTokenizer.from_pretrained, path)
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf) + 1
+
+    def encode(self, text: str) -> list[int]:
+        """The encoder's ids of `text` with its special tokens (T5's </s>; CLIP's start and end), plus one."""
+        return [i + 1 for i in self.hf(text)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode([i - 1 for i in ids if i > 0], skip_special_tokens=True)
+
+    def to_dict(self) -> dict:
+        return dict(kind=self.kind, data="", encoder=self.encoder, path=self.path, fingerprint=self.fingerprint)
+
+    def tokenize(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
+        """As every tokenizer's, but a truncated caption keeps its closing special token (T5's </s>, CLIP's end of
+        text), as the encoder's own tokenizer truncates."""
+        if isinstance(texts, str):
+            texts = [texts]
+        out = torch.zeros(len(texts), context_length, dtype=torch.long)
+        truncated = 0
+        special = set(self.hf.all_special_ids)
+        for i, text in enumerate(texts):
+            ids = self.encode(text)
+            if len(ids) > context_length:
+                if not truncate:
+                    raise ValueError(
+                        f"caption of {len(ids)} tokens is longer than --text_seq_len {context_length}: "
+                        f"raise --text_seq_len or allow --truncate_captions ({text[:60]!r})"
+                    )
+                last = ids[-1:] if ids[-1] - 1 in special else []
+                ids, truncated = ids[: context_length - len(last)] + last, truncated + 1
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out, truncated
