@@ -98,6 +98,18 @@ class TextTokenizerConfig:
     bpe_path: str = flag("", "a YouTokenToMe BPE model to use (default: train one on the captions)")
     hug: bool = flag(False, "--bpe_path is a Hugging Face tokenizers JSON file")
     bpe_vocab_size: int = flag(256, "vocabulary of the BPE trained on the captions")
+    text_encoder: str = flag(
+        "",
+        "read captions through a frozen pretrained encoder: t5 (T5's encoder, as Parti, Imagen, LlamaGen) or clip "
+        "(CLIP's text tower); its last hidden states are projected into the --text_seq_len caption positions. "
+        "Empty: --tokenizer's ids and an embedding learned from scratch",
+        choices=("", "t5", "clip"),
+    )
+    text_encoder_path: str = flag(
+        "",
+        "--text_encoder's weights and tokenizer: a folder as transformers' save_pretrained writes it, or a Hugging "
+        "Face name (google/flan-t5-xl, openai/clip-vit-large-patch14) downloaded once into its cache",
+    )
 
 
 def build_text_tokenizer(
@@ -114,7 +126,14 @@ def build_text_tokenizer(
     captions on rank 0 (a resumed run keeps the vocabulary it has) and `share`d from there to every rank; without,
     the run's is read. The predecessor's tokenizers (`clip`, `chinese`) read their vocabulary from `bpe_path` when
     it is given. `lowercase`: a --bpe_path YouTokenToMe model reads lowercased captions (train_dalle.py's
-    --bpe_lowercase; runs recorded before it existed, and train_clip.py, lowercase)."""
+    --bpe_lowercase; runs recorded before it existed, and train_clip.py, lowercase). With --text_encoder, the
+    encoder's own tokenizer."""
+    if cfg.text_encoder or cfg.text_encoder_path:
+        if not cfg.text_encoder:
+            raise ValueError("--text_encoder_path needs --text_encoder t5 or clip (which kind of encoder it holds)")
+        from .encoder_tokenizer import EncoderTokenizer
+
+        return EncoderTokenizer(cfg.text_encoder, cfg.text_encoder_path)
     if cfg.tokenizer in ("clip", "chinese"):
         return pretrained_text_tokenizer(cfg.tokenizer, cfg.bpe_path, cfg.hug)
     if cfg.bpe_path:  # the user's own model reads text as they trained it

@@ -30,10 +30,13 @@ def load_hf(loader, path: str):
     neither can be had."""
     try:
         return loader(path)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         if os.path.isdir(path):
-            raise OSError(f"--text_encoder_path {path}: {str(e).splitlines()[0]}") from e
-        raise OSError(hub_hint(path)) from e
+            raise FileNotFoundError(
+                f"--text_encoder_path {path}: not a folder transformers' save_pretrained wrote (config.json, the "
+                f"weights and the tokenizer files): {str(e).strip().splitlines()[0]}"
+            ) from e
+        raise FileNotFoundError(hub_hint(path)) from e
 
 
 def _transformers():
@@ -58,6 +61,19 @@ class EncoderTokenizer(Tokenizer):
         self.encoder, self.path, self.fingerprint = encoder, path, fingerprint
         self.hf = load_hf(_transformers().AutoTokenizer.from_pretrained, path)
         self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else 0
+        self.reader = None  # the frozen encoder, once bound: captions() gives its features
+
+    def bind(self, encoder) -> EncoderTokenizer:
+        """Let captions() give `encoder`'s features (inference/text_encoders.py's FrozenTextEncoder)."""
+        self.reader = encoder
+        return self
+
+    def captions(self, texts, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
+        ids, cut = self.tokenize(texts, context_length, truncate)
+        return (ids if self.reader is None else self.reader.features(ids)), cut
+
+    def __getstate__(self):  # the data workers get the tokenizer, never the encoder's weights
+        return dict(self.__dict__, reader=None)
 
     @property
     def vocab_size(self) -> int:

@@ -27,6 +27,11 @@ class Tokenizer(ABC):
     def to_dict(self) -> dict:
         """{'kind': ..., 'data': str}: enough to rebuild the tokenizer anywhere."""
 
+    def captions(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
+        """The DALLE's caption input for `texts` and how many were truncated: the ids (b, context_length); a frozen
+        encoder's tokenizer bound to its encoder gives the encoder's features (b, context_length, F) instead."""
+        return self.tokenize(texts, context_length, truncate)
+
     def tokenize(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
         """(b, context_length) long, padded with 0, and how many captions were truncated.
 

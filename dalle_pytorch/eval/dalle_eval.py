@@ -27,7 +27,7 @@ def bits_per_image_token(dalle, vae, tokenizer, n: int = 256, batch_size: int = 
     for start in range(0, n, batch_size):
         idx = range(start, min(start + batch_size, n))
         images = torch.stack([data[i][0] for i in idx])
-        text, _ = tokenizer.tokenize([data[i][1] for i in idx], t)
+        text, _ = tokenizer.captions([data[i][1] for i in idx], t)
         tokens = vae.get_codebook_indices(images)
         logits = dalle.logits(text, tokens)[:, t:, dalle.cfg.num_text_tokens :]
         total += F.cross_entropy(logits.transpose(1, 2), tokens, reduction="sum").item()
@@ -53,7 +53,9 @@ def evaluate_dalle(
     captions with at least one fully right candidate (results.json, reranking.SPLIT_best_possible).
     With `fidelity` (a FidelityConfig), each split's first sample per caption (and CLIP's best) also gets FID and
     its friends against the dataset's own images for the same captions: out/SPLIT/{reference,generated[_reranked]}."""
-    dalle, vae, tokenizer = load_dalle(dalle_path, weights=sampling.weights)
+    dalle, vae, tokenizer = load_dalle(
+        dalle_path, weights=sampling.weights, text_encoder_path=sampling.text_encoder_path
+    )
     clip, keep = None, rerank.keep
     if rerank.clip_path:
         clip, clip_tokenizer = load_reranker(rerank.clip_path, dalle_path, dalle, vae, tokenizer)
@@ -76,7 +78,7 @@ def evaluate_dalle(
         firsts, bests = [], []  # one image per caption: the first sample, CLIP's best
         for start in range(0, num_images, captions_per_batch):
             idx = list(range(start, min(start + captions_per_batch, num_images)))
-            text, _ = tokenizer.tokenize([captions[i] for i in idx], dalle.cfg.text_seq_len)
+            text, _ = tokenizer.captions([captions[i] for i in idx], dalle.cfg.text_seq_len)
             rows = text.repeat_interleave(per_caption, 0)
             images = candidate_images(dalle, vae, rows, len(rows), g, **options)
             images = images.view(len(idx), per_caption, *images.shape[1:])  # (captions, samples, c, s, s)

@@ -157,7 +157,9 @@ def evaluate_dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int = 32
 
 def _dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int, ranks: Ranks) -> dict | None:
     device = ranks.device
-    dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device=device, weights=sampling.weights)
+    dalle, vae, tokenizer = load_dalle(
+        cfg.dalle_path, device=device, weights=sampling.weights, text_encoder_path=sampling.text_encoder_path
+    )
     clip = None
     if rerank.clip_path:
         clip, clip_tokenizer = load_reranker(rerank.clip_path, cfg.dalle_path, dalle, vae, tokenizer, device)
@@ -175,7 +177,7 @@ def _dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int, ranks: Rank
                 continue
             chunk = captions[start : start + step]
             folders.write("reference", torch.stack([img for img, _ in pairs[start : start + step]]), start)
-            text, _ = tokenizer.tokenize(chunk, dalle.cfg.text_seq_len)
+            text, _ = tokenizer.captions(chunk, dalle.cfg.text_seq_len)
             rows = text.to(device).repeat_interleave(per_caption, 0)
             g = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + k)  # the batch's images at any world size
             images = candidate_images(dalle, vae, rows, len(rows), g, **options)

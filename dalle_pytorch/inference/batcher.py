@@ -114,7 +114,7 @@ class Batcher:
         if not jobs:
             return
         try:
-            text = torch.cat([j.text.expand(len(j.seeds), -1) for j in jobs]).to(self.device)
+            text = torch.cat([j.text.expand(len(j.seeds), *j.text.shape[1:]) for j in jobs]).to(self.device)
             generators = [torch.Generator(self.device).manual_seed(s) for j in jobs for s in j.seeds]
             self.batches.append(len(generators))
             self.batches_run += 1

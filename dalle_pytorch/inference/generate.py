@@ -117,7 +117,13 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
         raise ValueError(f"--keep must be between 0 and --num_images {cfg.num_images} (got {rerank.keep})")
     device = pick_device(cfg.device)
     dalle, vae, tokenizer = load_dalle(
-        cfg.dalle_path, device, cfg.vqgan_model_path, cfg.openai_vae_path, old.how_to_read(), sampling.weights
+        cfg.dalle_path,
+        device,
+        cfg.vqgan_model_path,
+        cfg.openai_vae_path,
+        old.how_to_read(),
+        sampling.weights,
+        sampling.text_encoder_path,
     )
     dcfg = dalle.cfg
     options = sampling.token_options(dalle)
@@ -139,7 +145,7 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
     shown.update(dataclasses.asdict(old))
     settings = {k: v for k, v in shown.items() if k not in ("text", "text_file", "quiet", "debug")}
     for prompt in prompts:
-        text, truncated = tokenizer.tokenize(prompt, dcfg.text_seq_len)
+        text, truncated = tokenizer.captions(prompt, dcfg.text_seq_len)
         if truncated:
             print(f"warning: prompt truncated to {dcfg.text_seq_len} tokens: {prompt!r}")
         if cfg.gentxt:  # the predecessor's threshold counts text and image logits; at most the text vocabulary
@@ -150,7 +156,7 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
             print(f"caption: {prompt}")
         folder = os.path.join(cfg.outputs_dir, sanitize(prompt))
         os.makedirs(folder, exist_ok=True)
-        rows = text.to(device).expand(cfg.num_images, -1)
+        rows = text.to(device).expand(cfg.num_images, *text.shape[1:])
         images = candidate_images(dalle, vae, rows, cfg.batch_size, g, on_token=bar.update, **options)
         written_settings = {"prompt": prompt, **settings}
         if clip is not None:  # DALL-E's reranking: CLIP scores every sample, the best are kept, best first

@@ -46,6 +46,9 @@ class ServeConfig:
     weights: str = flag(
         "auto", "the DALLE's weights: auto (the EMA where the run kept one), ema or raw", choices=WEIGHTS
     )
+    text_encoder_path: str = flag(
+        "", "where the DALLE's frozen text encoder lives on this machine (default: where it was trained)"
+    )
     device: str = flag("", "cpu, cuda, cuda:1 ... (empty: cuda when available)")
     debug: bool = flag(False, "show tracebacks for user errors")
 
@@ -149,7 +152,9 @@ def load_app(cfg: ServeConfig):
     from .pipeline import load_reranker
 
     device = pick_device(cfg.device)
-    dalle, vae, tokenizer = load_dalle(cfg.dalle_path, device, weights=cfg.weights)
+    dalle, vae, tokenizer = load_dalle(
+        cfg.dalle_path, device, weights=cfg.weights, text_encoder_path=cfg.text_encoder_path
+    )
     clip = clip_tokenizer = None
     if cfg.clip_path:
         clip, clip_tokenizer = load_reranker(cfg.clip_path, cfg.dalle_path, dalle, vae, tokenizer, device)
@@ -198,7 +203,7 @@ def make_app(cfg: ServeConfig, dalle, vae, tokenizer, clip=None, clip_tokenizer=
         except ValueError:
             raise BadRequest('the body is not JSON: send {"text": "a red circle", "num_images": 4}') from None
         req = Request.parse(body, cfg, clip is not None)
-        text, truncated = tokenizer.tokenize(req.text, dalle.cfg.text_seq_len)
+        text, truncated = tokenizer.captions(req.text, dalle.cfg.text_seq_len)
         options = req.sampling.token_options(dalle, say=lambda _: None)
         seeds = [req.seed + i for i in range(req.num_images)]
         future = batcher.submit(text, seeds, Settings(**options))

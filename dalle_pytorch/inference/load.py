@@ -43,14 +43,25 @@ def load_dalle(
     openai_vae_path: str = "",
     predecessor: dict | None = None,
     weights: str = "auto",
+    text_encoder_path: str = "",
 ):
     """(dalle, vae, tokenizer) from a DALLE export, in eval mode on `device`. A pretrained image tokenizer is
     read again from the files the export records, or from the given paths if they moved. `predecessor`: how
-    to read a predecessor's checkpoint (load_export). `weights`: auto (the EMA where the run kept one), ema, raw."""
+    to read a predecessor's checkpoint (load_export). `weights`: auto (the EMA where the run kept one), ema, raw.
+    A DALLE that reads a frozen text encoder: its tokenizer comes bound to the encoder (`tokenizer.captions` gives
+    features), loaded from the recorded path or `text_encoder_path` and checked against the recorded fingerprint."""
     obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, predecessor)
     dalle = DALLE(DALLEConfig(**obj["config"]))
     dalle.load_state_dict(export_weights(obj, weights, path))
-    return dalle.eval().to(device), vae.to(device), tokenizer_from_dict(obj["tokenizer"])
+    if obj["tokenizer"]["kind"] == "text_encoder":
+        from .text_encoders import load_text_encoder
+
+        tokenizer, _ = load_text_encoder(obj["tokenizer"], device, text_encoder_path)
+    else:
+        if text_encoder_path:
+            raise ValueError(f"--text_encoder_path: {path} reads captions through its own tokenizer, not an encoder")
+        tokenizer = tokenizer_from_dict(obj["tokenizer"])
+    return dalle.eval().to(device), vae.to(device), tokenizer
 
 
 def read_dalle(

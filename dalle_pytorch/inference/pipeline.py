@@ -39,6 +39,11 @@ class SamplingConfig:
         "raw weights), ema, or raw (the last step's)",
         choices=WEIGHTS,
     )
+    text_encoder_path: str = flag(
+        "",
+        "where the DALLE's frozen text encoder (--text_encoder) lives on this machine, a folder or a Hugging Face "
+        "name (default: where it was trained; another encoder than that one is refused)",
+    )
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -96,4 +96,4 @@ def load_text_encoder(record: dict, device="cpu", path: str = "", dtype: str = "
             "pass the same encoder's folder or name"
         )
     tokenizer.fingerprint = encoder.fingerprint
-    return tokenizer, encoder
+    return tokenizer.bind(encoder), encoder

@@ -1,5 +1,6 @@
 """Training DALLE as a loop task: captions tokenized in the data workers, images tokenized by the frozen
-VAE once per batch under no_grad in fp32, sample grids for fixed captions, and the self-contained export."""
+VAE once per batch under no_grad in fp32, captions read by a frozen text encoder the same way (--text_encoder;
+or its features come cached in the token shards), sample grids for fixed captions, and the self-contained export."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ class DALLETask:
         val_dataset=None,
         heldout: ShapesDataset | None = None,
         clip=None,
+        text_encoder=None,
     ):
         """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed;
         `heldout`: built-in scenes of colour-shape pairs never trained on, generated and parsed at validation;
-        `clip`: a CLIP with this run's tokenizer that scores --val_fid_every's images (--val_clip_path)."""
+        `clip`: a CLIP with this run's tokenizer that scores --val_fid_every's images (--val_clip_path);
+        `text_encoder`: the frozen encoder (inference/text_encoders.py) whose features the DALLE reads."""
         self.model = dalle
         self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
         self.vae_export = vae_export
@@ -49,6 +52,14 @@ class DALLETask:
         self.seed = seed
         self.heldout = heldout
         self.clip = clip
+        self.text_encoder = text_encoder  # frozen, outside the optimizer and the backend's wrapping, as the VAE
+
+    def captions(self, text: torch.Tensor, device) -> torch.Tensor:
+        """The DALLE's caption input on `device`: the ids, or the encoder's features of them; features read from
+        token shards (float already) pass as they are."""
+        if self.text_encoder is not None and not text.is_floating_point():
+            text = self.text_encoder.features(text)
+        return text.to(device, non_blocking=True)
 
     def activation_bytes(self, batch_size: int) -> float:
         """~34 x tokens x dim bytes per layer in 16-bit (Korthikanti et al. 2022, without recomputation),
@@ -61,12 +72,12 @@ class DALLETask:
         images, text = batch
         images = images.to(device, non_blocking=True)
         if images.dtype == torch.long:  # --precompute_tokens: already VAE codes
-            return text.to(device, non_blocking=True), images
+            return self.captions(text, device), images
         if next(self.vae.parameters()).device != device:
             self.vae.to(device)
         with torch.no_grad():
             image_tokens = self.vae.get_codebook_indices(images.float())  # (b, fmap^2), VAE in fp32
-        return text.to(device, non_blocking=True), image_tokens
+        return self.captions(text, device), image_tokens
 
     def loss(self, model, batch, step):
         text, image_tokens = batch
@@ -85,9 +96,10 @@ class DALLETask:
         share = range(rank, len(self.heldout) // world_size * world_size, world_size)
         with whole_model() as model:
             device = next(model.parameters()).device
-            text, _ = self.tokenizer.tokenize([self.heldout.caption(i) for i in share], model.cfg.text_seq_len)
+            text, _ = self.tokenizer.captions([self.heldout.caption(i) for i in share], model.cfg.text_seq_len)
             g = torch.Generator(device).manual_seed(self.seed)
-            tokens = generate_image_tokens(model, text.to(device), temperature=HELDOUT_TEMPERATURE, generator=g)
+            text = self.captions(text, device)
+            tokens = generate_image_tokens(model, text, temperature=HELDOUT_TEMPERATURE, generator=g)
         images = self.vae.decode(tokens).float().cpu()
         scores = [score(self.heldout.scene(i), parse_image(image)) for i, image in zip(share, images)]
         return {f"heldout_{k}": torch.tensor(sum(s[k] for s in scores) / len(scores)) for k in ("full", *ATTRIBUTES)}
@@ -107,7 +119,7 @@ class DALLETask:
             text = torch.stack([self.val_dataset[i][1] for i in indices])
             device = next(model.parameters()).device
             g = torch.Generator(device).manual_seed(seed)
-            tokens = generate_image_tokens(model, text.to(device), generator=g)
+            tokens = generate_image_tokens(model, self.captions(text, device), generator=g)
         return self.vae.decode(tokens).float().clamp(0, 1).cpu()
 
     @torch.no_grad()
@@ -129,9 +141,9 @@ class DALLETask:
         if not self.sample_captions:
             return
         device = next(model.parameters()).device
-        text, _ = self.tokenizer.tokenize(self.sample_captions, model.cfg.text_seq_len)
+        text, _ = self.tokenizer.captions(self.sample_captions, model.cfg.text_seq_len)
         g = torch.Generator(device).manual_seed(self.seed)
-        tokens = generate_image_tokens(model, text.to(device), generator=g)
+        tokens = generate_image_tokens(model, self.captions(text, device), generator=g)
         if path is None:
             return
         # all channels: a 4-channel (RGBA) VAE's grid keeps its alpha

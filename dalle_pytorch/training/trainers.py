@@ -16,6 +16,7 @@ from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
 from ..inference.image_tokenizers import load_image_tokenizer, tokenizer_fingerprint, tokenizer_flag
+from ..inference.text_encoders import FrozenTextEncoder, load_text_encoder
 from ..models.clip import CLIP, CLIPConfig
 from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
@@ -146,16 +147,29 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         spec = caption_data(run_cfg, cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions)
         data = datasets(spec, cfg, backend, run)
         pairs, val_pairs, heldout = data.train, data.val, data.heldout
+        encoder = None
         if start is None:
             tokenizer = shared_text_tokenizer(run_cfg, cfg, backend, recovery, run, pairs, run_cfg.bpe_lowercase)
+            if run_cfg.text_encoder:
+                encoder = FrozenTextEncoder(tokenizer, backend.device)
+                tokenizer.fingerprint = encoder.fingerprint
             model_cfg = dataclasses.replace(
                 model_cfg,
-                num_text_tokens=tokenizer.vocab_size,
+                num_text_tokens=0 if encoder else tokenizer.vocab_size,
+                text_feature_dim=encoder.dim if encoder else 0,
                 num_image_tokens=vae.num_tokens,
                 image_fmap_size=vae.fmap_size,
             )
+        elif start["tokenizer"]["kind"] == "text_encoder":  # the export's encoder, where it lives here
+            tokenizer, encoder = load_text_encoder(start["tokenizer"], backend.device, run_cfg.text_encoder_path)
         else:  # the export's model, which fits its tokenizers
             tokenizer = tokenizer_from_dict(start["tokenizer"])
+        if encoder is not None:
+            encoder.check(model_cfg.text_seq_len)
+            run.print(
+                f"captions read by a frozen {run_cfg.text_encoder or start['tokenizer']['encoder']} encoder: "
+                f"{tokenizer.path} ({encoder.dim} features, {encoder.dtype}, fingerprint {encoder.fingerprint})"
+            )
         run.update_config("model", model_cfg)
         dalle = DALLE(model_cfg)
         if start is not None:
@@ -176,6 +190,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         task = DALLETask(
             dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed,
             val_dataset=val, heldout=heldout, clip=scoring_clip(run_cfg.val_clip_path, cfg, tokenizer, vae),
+            text_encoder=encoder,
         )  # fmt: skip
         pos = train(task, plan.counted(task.dataset), backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)
