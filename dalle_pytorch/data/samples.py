@@ -10,6 +10,9 @@ import json
 import torch
 
 CODES_KEY = "codes.npy"  # image token ids of a pre-encoded shard, one (fmap^2,) integer array per sample
+# a frozen text encoder's features of every caption line of a pre-encoded shard's sample: an .npz of
+# `lengths` (lines,) and `features` (sum of lengths, dim) float16, each line's real tokens only
+FEATURES_KEY = "feats.npz"
 
 
 class Skip(Exception):
@@ -47,6 +50,25 @@ def caption_lines(sample: dict, key: str) -> list[str]:
     if not lines:
         raise Skip("bad_caption", f"{sample['__key__']}: empty caption")
     return lines
+
+
+def caption_features(sample: dict, key: str, rng) -> torch.Tensor:
+    """One caption line's features (its real tokens, float16 (length, dim)), the line drawn by `rng` as a text
+    caption's line is (`rng.choice` over the lines draws the same index as `randrange` over their number), so a run
+    on cached features reads the captions a run on their text reads."""
+    import numpy as np
+
+    raw = need(sample, key)
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            lengths, features = z["lengths"], z["features"]
+    except (ValueError, OSError, KeyError) as e:
+        raise Skip("bad_caption", f"{sample['__key__']}: unreadable {key} ({e})") from None
+    if not len(lengths):
+        raise Skip("bad_caption", f"{sample['__key__']}: empty caption")
+    i = rng.randrange(len(lengths))
+    start = int(lengths[:i].sum())
+    return torch.from_numpy(features[start : start + int(lengths[i])].astype(np.float16))
 
 
 def image_of(sample: dict, key: str, transform, mode: str, seed: int | None) -> torch.Tensor:

@@ -29,12 +29,28 @@ class TokenizedCaptions(torch.utils.data.Dataset):
     def __getitem__(self, index):
         return self.tokenize(*self.base[index])
 
-    def tokenize(self, image, caption: str):
+    def tokenize(self, image, caption):
+        """(image, caption ids (T,)); a caption read as cached encoder features (length, dim) comes back as
+        (T, dim), zero vectors after its real tokens (the DALLE's padding), the encoder never run."""
+        if isinstance(caption, torch.Tensor):
+            return image, self._padded(caption)
         ids, cut = self.tokenizer.tokenize(caption, self.text_seq_len, self.truncate)
         if cut:
             with self.truncated.get_lock():
                 self.truncated.value += cut
         return image, ids[0]
+
+    def _padded(self, features: torch.Tensor) -> torch.Tensor:
+        n = features.shape[0]
+        if n > self.text_seq_len:
+            if not self.truncate:
+                raise ValueError(
+                    f"cached caption features of {n} tokens: longer than --text_seq_len {self.text_seq_len}"
+                )
+            with self.truncated.get_lock():
+                self.truncated.value += 1
+            features = features[: self.text_seq_len]
+        return torch.nn.functional.pad(features, (0, 0, 0, self.text_seq_len - features.shape[0]))
 
 
 class TokenizedStream(torch.utils.data.IterableDataset):

@@ -27,7 +27,7 @@ import torch
 
 from . import shard_plan
 from .folders import image_transform
-from .samples import Skip, caption_lines, image_of
+from .samples import FEATURES_KEY, Skip, caption_features, caption_lines, image_of
 from .shard_cache import Prefetcher, ShardCache, default_folder
 from .shard_index import UNREADABLE, count_shards
 from .shard_plan import Plan
@@ -223,7 +223,12 @@ class WebDatasetPairs(torch.utils.data.IterableDataset):
     def _decode(self, sample: dict, seed: str):
         rng = random.Random(seed)
         try:
-            caption = rng.choice(caption_lines(sample, self.caption_key)) if self.caption_key else ""  # else: a VAE's
+            if self.caption_key == FEATURES_KEY:  # a text encoder's cached features (the encode command)
+                caption = caption_features(sample, self.caption_key, rng)
+            else:
+                caption = (
+                    rng.choice(caption_lines(sample, self.caption_key)) if self.caption_key else ""
+                )  # else: a VAE's
             return image_of(sample, self.image_key, self.transform, self.mode, rng.getrandbits(63)), caption
         except Skip as e:
             return self._skip(e.reason, e.what)

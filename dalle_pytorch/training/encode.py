@@ -1,16 +1,20 @@
 """Encode WebDataset shards once into token shards: each sample's image as its image tokenizer's codes
 (`codes.npy`), its caption as text (`txt`, every line kept), under the same keys. DALLE then trains on the codes
 (`--wds codes.npy,txt --image_text_folder OUT`) and never decodes a JPEG or runs the VAE again; dalle-mini
-encoded CC12M with its VQGAN once so.
+encoded CC12M with its VQGAN once so. With --text_encoder, every caption line's features too (`feats.npz`: the
+real tokens' last hidden states, float16), so that training (`--wds codes.npy,feats.npz`) runs no text encoder
+per step either, as LlamaGen extracts its T5 features once.
 
     python -m dalle_pytorch.training.encode --shards 'data/{00000..00099}.tar' --wds jpg,txt \\
         --vae_path runs/vae/vae.safetensors --out tokens/          # or --out s3://bucket/tokens/
+        [--text_encoder t5 --text_encoder_path google/flan-t5-xl --text_seq_len 120]
     torchrun --nproc_per_node 8 -m dalle_pytorch.training.encode ...    # srun, mpirun, deepspeed: the same
 
 Every rank encodes shards i with i % world_size == rank (no collective: the ranks never wait for each other). A
 shard is written to a temporary name and renamed when complete, with its `_stats.json` (the samples it holds, so
 the training's index is made without reading it), so a restarted job redoes only the shards it had not finished.
-`OUT/encode.json` records the image tokenizer's fingerprint: train_dalle.py refuses codes of another tokenizer.
+`OUT/encode.json` records the image tokenizer's fingerprint (and the text encoder's): train_dalle.py refuses codes
+(features) of another tokenizer (encoder).
 `train_dalle.py --precompute_tokens --wds ...` runs this into its run directory first.
 """
 
@@ -34,7 +38,7 @@ import torch
 from ..data import storage
 from ..data.build import DataSpec, build_dataset
 from ..data.folders import image_transform
-from ..data.samples import CODES_KEY, Skip, caption_lines, image_of
+from ..data.samples import CODES_KEY, FEATURES_KEY, Skip, caption_lines, image_of
 from ..data.shards import RETRIES, ShardError, open_shard
 from ..data.wds import REASONS, WebDatasetPairs, shard_urls
 from .session import add_up
@@ -43,16 +47,21 @@ META = "encode.json"
 
 
 def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world: int, *, batch_size: int = 64,
-                  retries: int = RETRIES, say=print) -> int:  # fmt: skip
-    """Encode this rank's shards of `urls` into `out`; returns how many it wrote now (finished ones are kept)."""
+                  retries: int = RETRIES, say=print, text_encoder=None, text_seq_len: int = 0) -> int:  # fmt: skip
+    """Encode this rank's shards of `urls` into `out`; returns how many it wrote now (finished ones are kept).
+    `text_encoder` (inference/text_encoders.py): each caption line's features too, at most `text_seq_len` tokens."""
     image_key, _, caption_key = keys.partition(",")
     if storage.scheme(out) == "local":
         os.makedirs(storage.local_path(out), exist_ok=True)
-    check_meta(out, vae_id)
+    record = text_encoder.record() if text_encoder is not None else None
+    check_meta(out, vae_id, record)
     if rank == 0:
         meta = {"vae_fingerprint": vae_id, "image_size": vae.image_size, "fmap_size": vae.fmap_size,
                 "num_tokens": vae.num_tokens, "wds": keys, "sources": list(urls)}  # fmt: skip
+        if record is not None:
+            meta.update(text_encoder=record, text_seq_len=text_seq_len, text_feature_dim=text_encoder.dim)
         storage.write_bytes(storage.join(out, META), json.dumps(meta, indent=1).encode())
+    captions = None if text_encoder is None else (text_encoder, text_seq_len)
     transform = image_transform(vae.image_size, 1.0, train=False)  # the centre crop, once for all epochs
     mode = "RGBA" if vae.channels == 4 else "RGB"
     written = 0
@@ -69,7 +78,9 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
             continue
         if shard.truncated_at is not None:
             say(f"warning: shard {urls[i]} is truncated at byte {shard.truncated_at}: {len(shard)} samples before it")
-        n, skipped = encode_shard(shard, dest, vae, image_key, caption_key, transform, mode, batch_size)
+        n, skipped = encode_shard(
+            shard, dest, vae, image_key, caption_key, transform, mode, batch_size, captions=captions
+        )
         shard.close()
         written += 1
         why = ", ".join(f"{k} {v}" for k, v in skipped.items() if v)
@@ -82,10 +93,11 @@ def encode_shards(urls, keys: str, vae, vae_id: str, out: str, rank: int, world:
 
 @torch.no_grad()
 def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transform, mode: str, batch_size: int,
-                 threads: int = 4):  # fmt: skip
+                 threads: int = 4, captions=None):  # fmt: skip
     """(samples written, skipped by reason): `shard`'s samples as codes + caption text into the tar `dest` (a path,
     or an object store's URL: written here first, then put whole); the images are decoded in `threads` threads
-    ahead of the VAE (PIL and torch's ops release the GIL)."""
+    ahead of the VAE (PIL and torch's ops release the GIL). `captions`: (text encoder, text_seq_len), each
+    caption line's features into FEATURES_KEY as well."""
     device = next(vae.parameters()).device
     skipped = dict.fromkeys(REASONS, 0)
     local = storage.local_path(dest)
@@ -97,11 +109,14 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
         def flush():
             codes = vae.get_codebook_indices(torch.stack([p[2] for p in pending]).to(device).float()).cpu().numpy()
             dtype = np.int16 if vae.num_tokens <= np.iinfo(np.int16).max else np.int32
-            for (key, caption, _), ids in zip(pending, codes):
+            features = _features(captions, [p[1] for p in pending]) if captions else [None] * len(pending)
+            for (key, caption, _), ids, feats in zip(pending, codes, features):
                 buf = io.BytesIO()
                 np.save(buf, ids.astype(dtype), allow_pickle=False)
                 _add(tar, f"{key}.{CODES_KEY}", buf.getvalue())
                 _add(tar, f"{key}.txt", caption)
+                if feats is not None:
+                    _add(tar, f"{key}.{FEATURES_KEY}", feats)
             pending.clear()
 
         def decode(sample):
@@ -134,9 +149,29 @@ def encode_shard(shard, dest: str, vae, image_key: str, caption_key: str, transf
     return n, skipped
 
 
-def encoded_stream(pairs: WebDatasetPairs, spec: DataSpec, vae, vae_id: str, run, backend) -> WebDatasetPairs:
+def _features(captions, texts: list[bytes]) -> list[bytes]:
+    """Each sample's caption lines through the text encoder, in one pass: FEATURES_KEY's bytes per sample."""
+    encoder, text_seq_len = captions
+    lines = [t.decode().split("\n") for t in texts]
+    ids, _ = encoder.tokenizer.tokenize([line for ls in lines for line in ls], text_seq_len)
+    feats = encoder.features(ids).cpu().numpy()  # (lines, T, dim) float16, zero after the real tokens
+    lengths = (ids > 0).sum(1).numpy().astype(np.int32)
+    out, k = [], 0
+    for ls in lines:
+        n = len(ls)
+        buf = io.BytesIO()
+        real = np.concatenate([feats[k + i, : lengths[k + i]] for i in range(n)])
+        np.savez(buf, lengths=lengths[k : k + n], features=real)
+        out.append(buf.getvalue())
+        k += n
+    return out
+
+
+def encoded_stream(pairs: WebDatasetPairs, spec: DataSpec, vae, vae_id: str, run, backend, text_encoder=None,
+                   text_seq_len: int = 0) -> WebDatasetPairs:  # fmt: skip
     """--precompute_tokens with --wds: the shards of `pairs` (read as `spec` says) encoded into the run's tokens/
-    (every rank its share; a resumed run keeps what was done), then streamed as codes. The ranks wait for each
+    (every rank its share; a resumed run keeps what was done), then streamed as codes (and with a `text_encoder`,
+    its cached caption features). The ranks wait for each
     other by looking at the files, not in a collective, so a long encoding does not run into --dist_timeout."""
     out = os.path.join(run.path, "tokens")
     os.makedirs(out, exist_ok=True)
@@ -149,7 +184,8 @@ def encoded_stream(pairs: WebDatasetPairs, spec: DataSpec, vae, vae_id: str, run
     t = time.perf_counter()
     try:
         n = encode_shards(pairs.shards, spec.keys, vae.to(backend.device).eval(), vae_id, out, backend.rank,
-                          backend.world_size, retries=spec.stream.retries, say=run.print)  # fmt: skip
+                          backend.world_size, retries=spec.stream.retries, say=run.print, text_encoder=text_encoder,
+                          text_seq_len=text_seq_len)  # fmt: skip
     except Exception as e:
         with open(failed, "w") as f:  # the other ranks, waiting for this rank's shards, stop too
             f.write(f"{type(e).__name__}: {e}\n")
@@ -168,26 +204,39 @@ def encoded_stream(pairs: WebDatasetPairs, spec: DataSpec, vae, vae_id: str, run
         time.sleep(1)
     backend.barrier()
     run.print(f"image codes of {len(pairs.shards)} shards in {out} ({n} encoded now, {time.perf_counter() - t:.0f}s)")
-    codes = dataclasses.replace(spec, folder=out, wds=f"{CODES_KEY},txt")  # the caption is written as txt
+    caption = FEATURES_KEY if text_encoder is not None else "txt"  # the caption is written as txt (and features)
+    codes = dataclasses.replace(spec, folder=out, wds=f"{CODES_KEY},{caption}")
     tokens = build_dataset(codes, backend.rank, backend.world_size)
     tokens.count(os.path.join(out, "shards.json"), lambda counts: add_up(backend, counts), run.print)
     return tokens
 
 
-def check_codes(folder_or_urls: str, vae_id: str) -> None:
-    """Token shards (`--wds codes.npy,...`) must hold the codes of the image tokenizer the run trains with."""
+def check_codes(folder_or_urls: str, vae_id: str, text_encoder=None) -> None:
+    """Token shards (`--wds codes.npy,...`) must hold the codes of the image tokenizer the run trains with, and
+    their cached features (`feats.npz`) those of its text encoder."""
     if os.path.isdir(folder_or_urls) or folder_or_urls.endswith("/"):
         meta = storage.join(folder_or_urls, META)
     else:
         meta = storage.join(storage.dirname(shard_urls(folder_or_urls)[0]), META)
     try:
-        recorded = json.loads(storage.read_bytes(meta, retries=1)).get("vae_fingerprint")
+        recorded = json.loads(storage.read_bytes(meta, retries=1))
     except (ShardError, ValueError):
         return
-    if recorded != vae_id:
+    if recorded.get("vae_fingerprint") != vae_id:
         raise ValueError(
-            f"{meta}: these codes were made by another image tokenizer (fingerprint {recorded}, the run's {vae_id}): "
-            "pass the tokenizer that encoded them, or encode the shards again"
+            f"{meta}: these codes were made by another image tokenizer (fingerprint {recorded.get('vae_fingerprint')}, "
+            f"the run's {vae_id}): pass the tokenizer that encoded them, or encode the shards again"
+        )
+    if text_encoder is None:
+        return
+    made = recorded.get("text_encoder")
+    if made is None:
+        raise ValueError(f"{meta}: these token shards hold no caption features: encode them with --text_encoder")
+    if made["fingerprint"] != text_encoder.fingerprint:
+        raise ValueError(
+            f"{meta}: these caption features were made by another text encoder ({made['path']}, fingerprint "
+            f"{made['fingerprint']}; the run's {text_encoder.fingerprint}): pass --text_encoder_path {made['path']}, "
+            "or encode the shards again"
         )
 
 
@@ -207,15 +256,22 @@ def _ahead(fn, items, depth: int, threads: int):
             yield queue.popleft().result()
 
 
-def check_meta(out: str, vae_id: str) -> None:
+def check_meta(out: str, vae_id: str, text_encoder: dict | None = None) -> None:
     path = storage.join(out, META)
     if not storage.exists(path):
         return
-    recorded = json.loads(storage.read_bytes(path)).get("vae_fingerprint")
+    meta = json.loads(storage.read_bytes(path))
+    recorded = meta.get("vae_fingerprint")
     if recorded != vae_id:
         raise ValueError(
             f"{storage.redact(out)} holds the codes of another image tokenizer (fingerprint {recorded}, this one "
             f"{vae_id}): encode into another --out, or pass the tokenizer that made them"
+        )
+    made = (meta.get("text_encoder") or {}).get("fingerprint")
+    if made != (text_encoder or {}).get("fingerprint"):
+        raise ValueError(
+            f"{storage.redact(out)} holds caption features of another text encoder ({made or 'none'}; this run's: "
+            f"{(text_encoder or {}).get('fingerprint') or 'none'}): encode into another --out"
         )
 
 
@@ -241,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch_size", type=int, default=64, help="images per VAE pass")
     p.add_argument("--shard_retries", type=int, default=RETRIES, help="retries of a shard (HTTP) that fails")
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for user errors")
+    p.add_argument("--text_encoder", default="", choices=("", "t5", "clip"), help="cache each caption's features too")
+    p.add_argument("--text_encoder_path", default="", help="--text_encoder's folder or Hugging Face name")
+    p.add_argument("--text_seq_len", type=int, default=120, help="--text_encoder: caption tokens kept (LlamaGen's 120)")
     add_flags(p, ImageTokenizerConfig, "image tokenizer (one of them)")
     args = p.parse_args(argv)
     with user_errors(args.debug):
@@ -254,9 +313,18 @@ def main(argv=None) -> int:
         vae, _, vae_id = load_image_tokenizer(take(args, ImageTokenizerConfig), say=say)
         device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
         vae = vae.to(device).eval()
+        text_encoder = None
+        if args.text_encoder or args.text_encoder_path:
+            from ..data.build import TextTokenizerConfig, build_text_tokenizer
+            from ..inference.text_encoders import FrozenTextEncoder
+
+            text = TextTokenizerConfig(text_encoder=args.text_encoder, text_encoder_path=args.text_encoder_path)
+            text_encoder = FrozenTextEncoder(build_text_tokenizer(text, ""), device)
+            text_encoder.check(args.text_seq_len)
         urls = shard_urls(args.shards)
         n = encode_shards(urls, args.wds, vae, vae_id, args.out, topo.rank, topo.world_size,
-                          batch_size=args.batch_size, retries=args.shard_retries)  # fmt: skip
+                          batch_size=args.batch_size, retries=args.shard_retries, text_encoder=text_encoder,
+                          text_seq_len=args.text_seq_len)  # fmt: skip
         left = [i for i in range(len(urls)) if not storage.exists(_path(args.out, i, ".tar"))]
         where = storage.redact(args.out)
         print(f"rank {topo.rank}: encoded {n} shards; {len(urls) - len(left)} of {len(urls)} are in {where}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..data.samples import CODES_KEY
+from ..data.samples import CODES_KEY, FEATURES_KEY
 from ..data.stream import is_stream
 from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
@@ -178,10 +178,16 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         n_params = sum(p.numel() for p in dalle.parameters())
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {vae_flag}")
         streamed = is_stream(pairs)
+        cached = streamed and pairs.caption_key == FEATURES_KEY  # features from the encode command's shards
+        if cached and encoder is None:
+            raise ValueError(
+                f"--wds {run_cfg.wds}: cached caption features need the encoder that made them: pass --text_encoder "
+                "and --text_encoder_path as the shards' encode.json records them"
+            )
         if streamed and pairs.image_key == CODES_KEY:  # token shards (python -m dalle_pytorch.training.encode)
-            check_codes(run_cfg.image_text_folder, vae_id)
+            check_codes(run_cfg.image_text_folder, vae_id, encoder if cached else None)
         elif streamed and run_cfg.precompute_tokens:
-            pairs = encoded_stream(pairs, spec, vae, vae_id, run, backend)
+            pairs = encoded_stream(pairs, spec, vae, vae_id, run, backend, encoder, model_cfg.text_seq_len)
         dataset = tokenized(pairs, tokenizer, model_cfg.text_seq_len)
         if run_cfg.precompute_tokens and not streamed:
             dataset = precomputed(dataset, vae, vae_id, run, backend)

@@ -125,3 +125,77 @@ def test_the_command_under_torchrun_splits_the_shards_between_its_ranks(shards, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0: encoded 4 shards" in done.stdout and "rank 1: encoded 4 shards" in done.stdout
     assert sorted(f for f in os.listdir(out) if f.endswith(".tar")) == [f"tokens-{i:06d}.tar" for i in range(8)]
+
+
+@pytest.mark.e2e
+def test_cached_caption_features_train_as_features_computed_on_the_fly(shards, vae_path, tmp_path, monkeypatch, capsys):
+    """The encode command with --text_encoder stores every caption line's T5 features (real tokens, float16);
+    training on them (`--wds codes.npy,feats.npz`, no encoder run per step) ends with the weights of the same run
+    whose encoder reads the text on the fly, within the house tolerance (the encoder's batches differ: summation
+    order under fp16 rounding)."""
+    from launch import assert_same
+    from text_encoders import tiny_t5
+
+    from dalle_pytorch.data.encoder_tokenizer import EncoderTokenizer
+    from dalle_pytorch.data.shards import open_shard
+    from dalle_pytorch.inference.text_encoders import FrozenTextEncoder
+
+    t5 = tiny_t5(str(tmp_path / "t5"))
+    out = str(tmp_path / "tokens")
+    for k, v in {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}.items():
+        monkeypatch.setenv(k, str(v))
+    args = ["--shards", shards, "--wds", "png,txt", "--vae_path", vae_path, "--out", out]
+    assert encode.main([*args, "--text_encoder", "t5", "--text_encoder_path", t5, "--text_seq_len", "48"]) == 0
+    meta = json.load(open(os.path.join(out, "encode.json")))
+    assert meta["text_encoder"]["path"] == t5 and meta["text_feature_dim"] == 32
+    shard = open_shard(os.path.join(out, "tokens-000000.tar"))
+    sample = shard.read(0)
+    assert sorted(sample) == ["__key__", "codes.npy", "feats.npz", "txt"]
+    import io
+
+    import numpy as np
+
+    z = np.load(io.BytesIO(sample["feats.npz"]))
+    lines = sample["txt"].decode().split("\n")
+    encoder = FrozenTextEncoder(EncoderTokenizer("t5", t5))
+    ids, _ = encoder.tokenizer.tokenize(lines, 48)
+    assert z["lengths"].tolist() == (ids > 0).sum(1).tolist() and z["features"].dtype == np.float16
+    torch.testing.assert_close(
+        torch.from_numpy(z["features"][: z["lengths"][0]]), encoder.features(ids)[0, : z["lengths"][0]]
+    )
+
+    common = ["--image_text_folder", out, "--text_encoder", "t5", "--text_encoder_path", t5, "--text_seq_len", "48"]
+    on_the_fly, _ = _dalle(vae_path, tmp_path / "a", "--wds", "codes.npy,txt", *common)
+    cached, _ = _dalle(vae_path, tmp_path / "b", "--wds", "codes.npy,feats.npz", *common)
+    assert_same(_weights(on_the_fly), _weights(cached))
+    # --precompute_tokens with --wds caches the features with the codes, and trains on them as well
+    pre, _ = _dalle(vae_path, tmp_path / "e", "--wds", "png,txt", "--precompute_tokens", "--image_text_folder", shards,
+                    *common[2:])  # fmt: skip
+    assert "feats.npz" in open_shard(str(tmp_path / "e" / "dalle" / "tokens" / "tokens-000000.tar")).read(0)
+    assert_same(_weights(on_the_fly), _weights(pre))
+    with pytest.raises(SystemExit):  # cached features without their encoder: one line
+        _dalle(vae_path, tmp_path / "c", "--wds", "codes.npy,feats.npz", "--image_text_folder", out)
+    with pytest.raises(SystemExit):  # the features of another encoder
+        other = tiny_t5(str(tmp_path / "other"), seed=1)
+        _dalle(vae_path, tmp_path / "d", "--wds", "codes.npy,feats.npz", *common[:3], other, *common[4:])
+
+
+def test_cached_features_pick_the_caption_line_a_text_caption_picks():
+    """A sample's cached features hold every caption line; the one read is the line rng.choice picks from the
+    text for the same seed, so cached and on-the-fly runs read the same captions."""
+    import io
+    import random
+
+    import numpy as np
+
+    from dalle_pytorch.data.samples import FEATURES_KEY, caption_features
+
+    lengths = np.array([2, 3, 1, 4], dtype=np.int32)
+    feats = np.repeat(np.arange(4, dtype=np.float16), lengths)[:, None].repeat(5, 1)  # line i's rows hold i
+    buf = io.BytesIO()
+    np.savez(buf, lengths=lengths, features=feats)
+    sample = {"__key__": "k", FEATURES_KEY: buf.getvalue()}
+    for seed in range(20):
+        line = random.Random(f"0/0/{seed}/1").choice(range(4))
+        got = caption_features(sample, FEATURES_KEY, random.Random(f"0/0/{seed}/1"))
+        assert got.shape == (lengths[line], 5) and (got == line).all()
