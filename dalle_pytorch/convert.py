@@ -56,7 +56,9 @@ def convert(ckpt_dir: str, out: str) -> str:
         if vae_export is None:  # our VAE, whose export the DALLE export copies
             vae_export = load_image_tokenizer(run, bool(run.image_text_folder))[1]
         # a run recorded before --bpe_lowercase existed lowercased its captions
-        tokenizer = build_text_tokenizer(run, run_dir, lowercase=record.get("bpe_lowercase", True)).to_dict()
+        tokenizer = config.get("text_encoder")  # its frozen text encoder's record (path, fingerprint)
+        if tokenizer is None:
+            tokenizer = build_text_tokenizer(run, run_dir, lowercase=record.get("bpe_lowercase", True)).to_dict()
     save_export(out, "dalle", config["model"], weights, vae=vae_export, tokenizer=tokenizer)
     return out
 

@@ -171,6 +171,8 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
                 f"{tokenizer.path} ({encoder.dim} features, {encoder.dtype}, fingerprint {encoder.fingerprint})"
             )
         run.update_config("model", model_cfg)
+        if encoder is not None:  # convert writes it into an export made from a checkpoint
+            run.update_config("text_encoder", tokenizer.to_dict())
         dalle = DALLE(model_cfg)
         if start is not None:
             dalle.load_state_dict(start["weights"])

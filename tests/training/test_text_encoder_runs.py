@@ -64,6 +64,10 @@ def test_t5_run_resumes_exactly_generates_with_guidance_and_reranks(vae_path, en
     record = obj["tokenizer"]
     assert record["kind"] == "text_encoder" and record["path"] == encoders["t5"] and len(record["fingerprint"]) == 16
     assert "ema" in obj
+    from dalle_pytorch.convert import convert
+
+    converted = convert(step_dirs(str(run / "checkpoints"))[0], str(tmp_path / "converted.safetensors"))
+    assert load_export(converted, "dalle")["tokenizer"] == record  # a checkpoint's export keeps the encoder too
 
     clip = train_clip.main(
         ["--dalle_path", export, "--dim_text", "32", "--dim_image", "32", "--dim_latent", "32", "--heads", "2",
