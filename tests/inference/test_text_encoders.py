@@ -1,5 +1,7 @@
 """The frozen text encoders against `transformers`' own forward on the same files (tests/text_encoders.py)."""
 
+import os
+
 import pytest
 import torch
 from text_encoders import CAPTIONS, tiny_clip, tiny_t5
@@ -69,9 +71,19 @@ def test_a_record_reloads_the_same_encoder_and_refuses_another(encoder, tmp_path
     assert isinstance(tokenizer_from_dict(record, other), EncoderTokenizer)
 
 
-def test_a_name_neither_here_nor_cached_offline_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(OSError, match="hf download nobody/no-such-t5") as e:
-        EncoderTokenizer("t5", "nobody/no-such-t5")
-    assert "\n" not in str(e.value)
+def test_a_name_neither_here_nor_cached_offline_is_one_line(vae_path, tmp_path):
+    """train_dalle.py on an offline machine (HF_HUB_OFFLINE=1, read when the hub library loads) whose cache lacks
+    the encoder: one line naming what to put where, before any training."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    args = ["--vae_path", vae_path, "--text_encoder", "t5", "--text_encoder_path", "nobody/no-such-t5",
+            "--output_dir", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_dalle.py"), *args, "--threads", "1"],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --text_encoder_path nobody/no-such-t5: no such folder") and "hf download" in last

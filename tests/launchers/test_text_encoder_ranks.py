@@ -1,0 +1,47 @@
+"""The 2024 recipe's model (a frozen T5 reading the captions, Llama blocks, guidance's caption dropout) under the
+real launchers on 2 local ranks: the parameters of 1 process with the whole batch, as every backend must give
+(tests/launchers/test_launchers.py's check, with the encoder on every rank and its features never trained)."""
+
+import os
+
+import pytest
+from launch import NORM_RTOL, assert_same, dalle_args, grad_norms, launch
+from text_encoders import tiny_t5
+
+import train_dalle
+from dalle_pytorch.files import safe_load
+
+
+def _args(vae_path, t5, out, batch):
+    recipe = ["--text_encoder", "t5", "--text_encoder_path", t5, "--text_seq_len", "40", "--norm", "rmsnorm",
+              "--ff", "swiglu", "--kv_heads", "1", "--ff_multiple_of", "16", "--rotary_emb"]  # fmt: skip
+    return dalle_args(vae_path, out, batch, extra=recipe)
+
+
+@pytest.fixture(scope="module")
+def one_process(vae_path, tmp_path_factory):
+    t5 = tiny_t5(str(tmp_path_factory.mktemp("t5")))
+    out = str(tmp_path_factory.mktemp("one"))
+    weights = safe_load(train_dalle.main(_args(vae_path, t5, out, 8)))["weights"]
+    return t5, weights, grad_norms(os.path.join(out, "dalle"))
+
+
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("torchrun", ["--distributed_backend", "ddp"]),
+        pytest.param("torchrun-fsdp", ["--distributed_backend", "fsdp"], marks=pytest.mark.slow),
+        ("deepspeed", ["--zero_stage", "3"]),
+        pytest.param("horovod", [], marks=pytest.mark.slow),
+    ],
+    ids=["ddp", "fsdp", "zero3", "horovod"],
+)
+def test_two_ranks_equal_one_process(kind, extra, one_process, vae_path, tmp_path):
+    t5, ref_weights, ref_norms = one_process
+    launch(kind, "train_dalle.py", [*_args(vae_path, t5, str(tmp_path), 4), *extra])
+    run = os.path.join(tmp_path, "dalle")
+    assert max(ref_norms) > 1.0  # clipping is active
+    assert grad_norms(run) == pytest.approx(ref_norms, rel=NORM_RTOL)
+    export = safe_load(os.path.join(run, "dalle.safetensors"))
+    assert_same(ref_weights, export["weights"])
+    assert "caption_proj.0.weight" in export["weights"] and "text_emb.weight" not in export["weights"]
