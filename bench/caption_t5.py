@@ -37,14 +37,15 @@ def captions(folder: str) -> list[str]:
 
 def tokenizer_of(lines: list[str]):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import T5TokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(lines, trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>", "<mask>"]))
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0)
+    # a word-level vocabulary: saved as the generic fast tokenizer (T5's class would rebuild it as a Unigram)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
 def main(argv=None):

@@ -143,16 +143,20 @@ RECIPE_TINY = {  # the recipes' model sizes made tiny; their other settings as s
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", ["photos-256", "binding"])
+@pytest.mark.parametrize("recipe", ["photos-256", "binding", "t2i-256"])
 def test_every_shipped_recipe_trains_a_step(recipe, tmp_path):
     import train_dalle
     import train_vae
+    from text_encoders import tiny_t5
 
-    vqgan = ["--perceptual_weight", "0", "--disc_start", "0"] if recipe == "photos-256" else []  # no VGG download
-    vae = train_vae.main(["--config", f"{ROOT}/recipes/{recipe}/vae.yaml", *RECIPE_TINY["train_vae.py"], *vqgan,
+    tokenizer = "photos-256" if recipe == "t2i-256" else recipe  # t2i-256 uses photos-256's VQGAN
+    vqgan = ["--perceptual_weight", "0", "--disc_start", "0"] if tokenizer == "photos-256" else []  # no VGG download
+    vae = train_vae.main(["--config", f"{ROOT}/recipes/{tokenizer}/vae.yaml", *RECIPE_TINY["train_vae.py"], *vqgan,
                           "--output_dir", str(tmp_path)])  # fmt: skip
+    # FLAN-T5-XL cannot be downloaded here: a tiny T5 in its place
+    t5 = ["--text_encoder_path", tiny_t5(str(tmp_path / "t5"))] if recipe == "t2i-256" else []
     export = train_dalle.main(["--config", f"{ROOT}/recipes/{recipe}/dalle.yaml", "--vae_path", vae,
-                               *RECIPE_TINY["train_dalle.py"], "--output_dir", str(tmp_path)])  # fmt: skip
+                               *RECIPE_TINY["train_dalle.py"], *t5, "--output_dir", str(tmp_path)])  # fmt: skip
     assert os.path.exists(export)
 
 

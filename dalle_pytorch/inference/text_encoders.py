@@ -62,8 +62,9 @@ class FrozenTextEncoder:
         out = torch.zeros(*ids.shape, self.dim, dtype=dtype, device=self.device)
         rows = real.any(1)  # a caption with no token at all stays all padding: the DALLE's null caption
         if rows.any():
-            h = self.model(input_ids=input_ids[rows], attention_mask=real[rows].long()).last_hidden_state
-            out[rows] = (h * real[rows, :, None]).to(dtype)
+            n = int(real.sum(1).max())  # the encoder runs over the longest caption, not the padding after it
+            h = self.model(input_ids=input_ids[rows, :n], attention_mask=real[rows, :n].long()).last_hidden_state
+            out[rows, :n] = (h * real[rows, :n, None]).to(dtype)
         return out
 
     def record(self) -> dict:
