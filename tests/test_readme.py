@@ -145,9 +145,10 @@ RECIPE_TINY = {  # the recipes' model sizes made tiny; their other settings as s
 @pytest.mark.e2e
 @pytest.mark.parametrize("recipe", ["photos-256", "binding", "t2i-256"])
 def test_every_shipped_recipe_trains_a_step(recipe, tmp_path):
+    from text_encoders import tiny_t5
+
     import train_dalle
     import train_vae
-    from text_encoders import tiny_t5
 
     tokenizer = "photos-256" if recipe == "t2i-256" else recipe  # t2i-256 uses photos-256's VQGAN
     vqgan = ["--perceptual_weight", "0", "--disc_start", "0"] if tokenizer == "photos-256" else []  # no VGG download

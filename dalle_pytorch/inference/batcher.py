@@ -36,7 +36,7 @@ class Settings:
 
 @dataclass
 class Job:
-    text: torch.Tensor  # (1, text_seq_len) caption ids
+    text: torch.Tensor  # (1, text_seq_len) caption ids, or (1, text_seq_len, F) a frozen encoder's features
     seeds: list[int]  # one image per seed
     settings: Settings
     future: Future = field(default_factory=Future)
@@ -60,7 +60,8 @@ class Batcher:
         self._thread.start()
 
     def submit(self, text: torch.Tensor, seeds: list[int], settings: Settings = Settings()) -> Future:
-        job = Job(text.reshape(1, -1), list(seeds), settings)
+        one = text.shape[-2:] if text.is_floating_point() else text.shape[-1:]  # (T, F) features or (T,) ids
+        job = Job(text.reshape(1, *one), list(seeds), settings)
         self._queue.put(job)
         return job.future
 

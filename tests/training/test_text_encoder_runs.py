@@ -5,6 +5,9 @@ and the evaluation load it, and another encoder is refused in one line."""
 import json
 import os
 import shutil
+import socket
+import sys
+import urllib.request
 
 import pytest
 import torch
@@ -81,6 +84,28 @@ def test_t5_run_resumes_exactly_generates_with_guidance_and_reranks(vae_path, en
     with pytest.raises(SystemExit) as e:  # a different encoder where the DALLE's was: one line, never garbage
         generate.main([*gen, "--text_encoder_path", encoders["other"], "--outputs_dir", str(tmp_path / "x")])
     assert e.value.code == 2
+
+    from dalle_pytorch.eval import evaluate
+
+    results = evaluate.main(["--dalle_path", export, "--num_images", "4", "--out", str(tmp_path / "eval")])
+    assert results["dalle"]["heldout"]["n"] == 4 and results["dalle"]["bits_per_image_token"] > 0  # parsed, scored
+
+    from helpers import ROOT, ServerProcess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    serve = [sys.executable, os.path.join(ROOT, "serve.py"), "--dalle_path", export, "--port", str(port)]
+    server = ServerProcess(serve, str(tmp_path / "serve.log"), f"http://127.0.0.1:{port}/health", env=env)
+    try:
+        body = json.dumps({"text": "a red circle", "num_images": 2, "seed": 3}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status == 200 and len(json.loads(r.read())["images"]) == 2
+    finally:
+        server.stop()
 
 
 def test_clip_text_tower_with_precomputed_tokens_and_fine_tuning(vae_path, encoders, tmp_path):
