@@ -181,6 +181,11 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         run.print(f"DALLE: {n_params / 1e6:.2f}M parameters, sequence {model_cfg.seq_len}, {vae_flag}")
         streamed = is_stream(pairs)
         cached = streamed and pairs.caption_key == FEATURES_KEY  # features from the encode command's shards
+        if cached and run_cfg.val_clip_path:
+            raise ValueError(
+                "--val_clip_path scores the validation captions' text: it cannot read cached caption features "
+                f"(--wds {run_cfg.wds}); train on the txt captions (--wds codes.npy,txt) to score with a CLIP"
+            )
         if cached and encoder is None:
             raise ValueError(
                 f"--wds {run_cfg.wds}: cached caption features need the encoder that made them: pass --text_encoder "

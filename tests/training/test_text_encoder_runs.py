@@ -111,7 +111,11 @@ def test_t5_run_resumes_exactly_generates_with_guidance_and_reranks(vae_path, en
 def test_clip_text_tower_with_precomputed_tokens_and_fine_tuning(vae_path, encoders, tmp_path):
     args = [*tiny_dalle(vae_path), "--text_encoder", "clip", "--text_encoder_path", encoders["clip"],
             "--text_seq_len", "24", "--precompute_tokens", "--steps", "2", "--sample_every", "0"]  # fmt: skip
-    export = train_dalle.main([*args, "--output_dir", str(tmp_path / "a")])
+    export = train_dalle.main([*args, "--output_dir", str(tmp_path / "a"), "--save_every_n_steps", "1"])
+    shutil.rmtree(step_dirs(str(tmp_path / "a" / "dalle" / "checkpoints"))[0])  # died after step 1's checkpoint
+    full = _weights(export)
+    train_dalle.main([*args, "--output_dir", str(tmp_path / "a"), "--save_every_n_steps", "1", "--resume", "auto"])
+    assert all(torch.equal(full[k], v) for k, v in _weights(export).items())
     moved = shutil.copytree(encoders["clip"], tmp_path / "moved")  # the encoder lives elsewhere on this machine
     tuned = train_dalle.main(
         ["--dalle_path", export, "--text_encoder_path", str(moved), *ONE_THREAD, "--batch_size", "8", "--quiet",
