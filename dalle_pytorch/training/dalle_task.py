@@ -96,7 +96,7 @@ class DALLETask:
         share = range(rank, len(self.heldout) // world_size * world_size, world_size)
         with whole_model() as model:
             device = next(model.parameters()).device
-            text, _ = self.tokenizer.captions([self.heldout.caption(i) for i in share], model.cfg.text_seq_len)
+            text, _ = self.tokenizer.tokenize([self.heldout.caption(i) for i in share], model.cfg.text_seq_len)
             g = torch.Generator(device).manual_seed(self.seed)
             text = self.captions(text, device)
             tokens = generate_image_tokens(model, text, temperature=HELDOUT_TEMPERATURE, generator=g)
@@ -141,7 +141,7 @@ class DALLETask:
         if not self.sample_captions:
             return
         device = next(model.parameters()).device
-        text, _ = self.tokenizer.captions(self.sample_captions, model.cfg.text_seq_len)
+        text, _ = self.tokenizer.tokenize(self.sample_captions, model.cfg.text_seq_len)
         g = torch.Generator(device).manual_seed(self.seed)
         tokens = generate_image_tokens(model, self.captions(text, device), generator=g)
         if path is None:
