@@ -143,6 +143,8 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
     configs = {"model": model_cfg, "dalle": run_cfg, "train": cfg, "vae_fingerprint": vae_id}
     if "weights" not in vae_export:  # a pretrained tokenizer's record: convert copies it into the export
         configs["pretrained_tokenizer"] = vae_export
+    if (previous or {}).get("text_encoder"):  # kept until this run's encoder is checked against it
+        configs["text_encoder"] = previous["text_encoder"]
     with training_session(plan, fit_dalle.run_name, configs) as (backend, recovery, run):
         spec = caption_data(run_cfg, cfg, vae.image_size, vae.channels, run_cfg.val_heldout_captions)
         data = datasets(spec, cfg, backend, run)
@@ -161,11 +163,20 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
                 image_fmap_size=vae.fmap_size,
             )
         elif start["tokenizer"]["kind"] == "text_encoder":  # the export's encoder, where it lives here
+            made = start["tokenizer"]["encoder"]
+            if run_cfg.text_encoder and run_cfg.text_encoder != made:
+                raise ValueError(f"--text_encoder {run_cfg.text_encoder}: {run_cfg.dalle_path} reads a {made} encoder")
             tokenizer, encoder = load_text_encoder(start["tokenizer"], backend.device, run_cfg.text_encoder_path)
         else:  # the export's model, which fits its tokenizers
             tokenizer = tokenizer_from_dict(start["tokenizer"])
         if encoder is not None:
             encoder.check(model_cfg.text_seq_len)
+            was = ((previous or {}).get("text_encoder") or {}).get("fingerprint")
+            if was and was != encoder.fingerprint:  # another encoder changes what every caption feature means
+                raise ValueError(
+                    f"--text_encoder_path {tokenizer.path} is not the encoder this run was trained with (fingerprint "
+                    f"{encoder.fingerprint}, the run recorded {was}): pass the original, or start a new run"
+                )
             run.print(
                 f"captions read by a frozen {run_cfg.text_encoder or start['tokenizer']['encoder']} encoder: "
                 f"{tokenizer.path} ({encoder.dim} features, {encoder.dtype}, fingerprint {encoder.fingerprint})"

@@ -54,6 +54,10 @@ def test_t5_run_resumes_exactly_generates_with_guidance_and_reranks(vae_path, en
     run = tmp_path / "dalle"
     shutil.rmtree(step_dirs(str(run / "checkpoints"))[0])  # as if the run died after step 3's checkpoint
     os.remove(export)
+    other = [encoders["other"] if a == encoders["t5"] else a for a in args]
+    for _ in range(2):  # resumed with another encoder: one line, nothing trained; the record kept for the next try
+        with pytest.raises(SystemExit):
+            train_dalle.main([*other, "--resume", "auto"])
     train_dalle.main([*args, "--resume", "auto"])
     resumed = _weights(export)
     assert all(torch.equal(full[k], resumed[k]) for k in full)
