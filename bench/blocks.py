@@ -72,7 +72,7 @@ def main(argv=None):
             decode[name].append((time.perf_counter() - t) / 4)
     first = next(iter(VARIANTS))
     t0, d0 = statistics.median(train[first]), statistics.median(decode[first])
-    print(f"binding recipe's DALLE, batch {a.batch}, {a.threads} thread(s), {a.rounds} rounds, medians ({torch.__version__})")
+    print(f"binding recipe's DALLE, batch {a.batch}, {a.threads} thread(s), {a.rounds} rounds, medians")
     print(f"{'variant':52s} {'params':>8s} {'step ms':>8s} {'ratio':>6s} {'decode ms/img':>14s} {'ratio':>6s}")
     for name, m in models.items():
         t, d = statistics.median(train[name]), statistics.median(decode[name])
