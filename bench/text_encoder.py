@@ -6,7 +6,9 @@ disk size barely (float16 values, savez without compression).
     .venv/bin/python bench/text_encoder.py [--captions DATA_DIR/train] [--models flan-t5-base flan-t5-xl clip-l]
         [--threads 2] [--batch 32]
 
-Captions: a caption folder's *.txt lines (the binding check's data) or a built-in sample of the shapes set.
+Captions: a caption folder's *.txt lines (the binding check's data) or a built-in sample of the shapes set, read by
+a tokenizer trained on them (the published tokenizers cannot be downloaded either): the figures per token carry
+over, and --tokens (20, about a web caption's T5 tokens) turns them into figures per caption.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--text_seq_len", type=int, default=120)
+    p.add_argument("--tokens", type=int, default=20, help="a typical caption's tokens, for the per-million figures")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     from dalle_pytorch.data.encoder_tokenizer import EncoderTokenizer
@@ -104,10 +107,12 @@ def main(argv=None):
                     np.savez(buf, lengths=np.array([len(real)], np.int32), features=real)
                     size += len(buf.getvalue())
             per = size / len(lines)
-            print(f"{name}: {n_params / 1e6:.0f}M parameters, {enc.dim} features, {tokens:.1f} tokens per caption: "
-                  f"{ms:.1f} ms per caption; cached {per / 1024:.1f} KiB per caption = {per * 1e6 / 2**30:.1f} GiB "
-                  f"per million captions (padded to {seq} in float32, as LlamaGen's .npy files: "
-                  f"{seq * enc.dim * 4 * 1e6 / 2**30:.0f} GiB)")  # fmt: skip
+            per_token = per / tokens
+            print(f"{name}: {n_params / 1e6:.0f}M parameters, {enc.dim} features; {tokens:.1f} tokens a caption here: "
+                  f"{ms:.1f} ms a caption ({ms / tokens:.2f} ms a token); cached {per / 1024:.1f} KiB a caption "
+                  f"({per_token / 1024:.2f} KiB a token). At {a.tokens} tokens a caption: {ms / tokens * a.tokens:.0f} "
+                  f"ms and {per_token * a.tokens * 1e6 / 2**30:.0f} GiB per million captions (LlamaGen's float32 "
+                  f"files padded to {seq}: {seq * enc.dim * 4 * 1e6 / 2**30:.0f} GiB)")  # fmt: skip
 
 
 if __name__ == "__main__":
