@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
 
 import common  # noqa: F401  (puts the checkout on sys.path)
 import torch
 
-from dalle_pytorch.models.dalle import DALLE, DALLEConfig
-from dalle_pytorch.models.sampling import generate_image_tokens
+# bench/tokenizers.py would shadow the `tokenizers` package that transformers imports
+sys.path = [q for q in sys.path if os.path.abspath(q or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from dalle_pytorch.models.dalle import DALLE, DALLEConfig  # noqa: E402
+from dalle_pytorch.models.sampling import generate_image_tokens  # noqa: E402
 
 VARIANTS = {
     "2021 blocks (layernorm, geglu, learned positions)": {},
     "rmsnorm + swiglu": dict(norm="rmsnorm", ff="swiglu"),
+    "rmsnorm + swiglu at geglu's width (ff_mult 6)": dict(norm="rmsnorm", ff="swiglu", ff_mult=6),
     "rmsnorm + swiglu + rotary (Llama)": dict(norm="rmsnorm", ff="swiglu", rotary_emb=True),
     "Llama + kv_heads 1": dict(norm="rmsnorm", ff="swiglu", rotary_emb=True, kv_heads=1),
     "frozen encoder's features (128 wide)": dict(text_feature_dim=128, num_text_tokens=0),
@@ -70,6 +76,7 @@ def main(argv=None):
             t = time.perf_counter()
             generate_image_tokens(m, text[:4], temperature=1.0, generator=torch.Generator().manual_seed(1))
             decode[name].append((time.perf_counter() - t) / 4)
+    encoder_ms = caption_encoder_ms(a.batch, a.rounds)
     first = next(iter(VARIANTS))
     t0, d0 = statistics.median(train[first]), statistics.median(decode[first])
     print(f"binding recipe's DALLE, batch {a.batch}, {a.threads} thread(s), {a.rounds} rounds, medians")
@@ -78,6 +85,25 @@ def main(argv=None):
         t, d = statistics.median(train[name]), statistics.median(decode[name])
         n = sum(q.numel() for q in m.parameters()) / 1e6
         print(f"{name:52s} {n:7.2f}M {t * 1e3:8.1f} {t / t0:6.2f} {d * 1e3:14.1f} {d / d0:6.2f}")
+    print(f"the frozen encoder itself (bench/caption_t5.py's size) on a batch's captions: {encoder_ms:.1f} ms "
+          f"({encoder_ms / 1e3 / t0:.3f} of a 2021 step)")  # fmt: skip
+
+
+def caption_encoder_ms(batch: int, rounds: int) -> float:
+    """bench/caption_t5.py's T5 encoder (d_model 128, 2 layers) on a batch of 10-token captions, median ms."""
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=32, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+                   feed_forward_proj="gated-gelu")  # fmt: skip
+    model = T5EncoderModel(cfg).eval()
+    ids = torch.randint(2, 32, (batch, 10))
+    times = []
+    with torch.no_grad():
+        for _ in range(rounds + 1):
+            t = time.perf_counter()
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
 
 
 if __name__ == "__main__":
