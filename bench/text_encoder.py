@@ -108,11 +108,14 @@ def main(argv=None):
                     size += len(buf.getvalue())
             per = size / len(lines)
             per_token = per / tokens
-            print(f"{name}: {n_params / 1e6:.0f}M parameters, {enc.dim} features; {tokens:.1f} tokens a caption here: "
-                  f"{ms:.1f} ms a caption ({ms / tokens:.2f} ms a token); cached {per / 1024:.1f} KiB a caption "
-                  f"({per_token / 1024:.2f} KiB a token). At {a.tokens} tokens a caption: "
-                  f"{ms / tokens * a.tokens:.0f} ms and {per_token * a.tokens * 1e6 / 2**30:.0f} GiB per million captions (padded to {seq} positions "
-                  f"in float32 instead: {seq * enc.dim * 4 * 1e6 / 2**30:.0f} GiB)")  # fmt: skip
+            million = per_token * a.tokens * 1e6 / 2**30
+            padded = seq * enc.dim * 4 * 1e6 / 2**30
+            print(
+                f"{name}: {n_params / 1e6:.0f}M parameters, {enc.dim} features; {tokens:.1f} tokens a caption here: "
+                f"{ms:.1f} ms a caption ({ms / tokens:.2f} ms a token); cached {per / 1024:.1f} KiB a caption "
+                f"({per_token / 1024:.2f} KiB a token). At {a.tokens} tokens a caption: {ms / tokens * a.tokens:.0f} "
+                f"ms and {million:.0f} GiB per million captions (padded to {seq} in float32 instead: {padded:.0f} GiB)"
+            )
 
 
 if __name__ == "__main__":
