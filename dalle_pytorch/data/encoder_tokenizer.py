@@ -15,9 +15,9 @@ ENCODERS = ("t5", "clip")
 
 def hub_hint(path: str) -> str:
     """What to do when `path` is neither a folder nor in the Hugging Face cache."""
-    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
-    )
+    from huggingface_hub import constants  # where the hub looks (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME)
+
+    cache = constants.HF_HUB_CACHE
     return (
         f"--text_encoder_path {path}: no such folder, and not in the Hugging Face cache {cache} "
         f"(offline, or no network): run `hf download {path}` where there is a network and copy the cache, "
@@ -89,23 +89,7 @@ class EncoderTokenizer(Tokenizer):
     def to_dict(self) -> dict:
         return dict(kind=self.kind, data="", encoder=self.encoder, path=self.path, fingerprint=self.fingerprint)
 
-    def tokenize(self, texts: list[str] | str, context_length: int, truncate: bool = True) -> tuple[torch.Tensor, int]:
-        """As every tokenizer's, but a truncated caption keeps its closing special token (T5's </s>, CLIP's end of
-        text), as the encoder's own tokenizer truncates."""
-        if isinstance(texts, str):
-            texts = [texts]
-        out = torch.zeros(len(texts), context_length, dtype=torch.long)
-        truncated = 0
-        special = set(self.hf.all_special_ids)
-        for i, text in enumerate(texts):
-            ids = self.encode(text)
-            if len(ids) > context_length:
-                if not truncate:
-                    raise ValueError(
-                        f"caption of {len(ids)} tokens is longer than --text_seq_len {context_length}: "
-                        f"raise --text_seq_len or allow --truncate_captions ({text[:60]!r})"
-                    )
-                last = ids[-1:] if ids[-1] - 1 in special else []
-                ids, truncated = ids[: context_length - len(last)] + last, truncated + 1
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out, truncated
+    def cut_to(self, ids: list[int], context_length: int) -> list[int]:
+        """Cut as the encoder's own tokenizer cuts: a closing special token (T5's </s>, CLIP's end of text) kept."""
+        last = ids[-1:] if ids[-1] - 1 in set(self.hf.all_special_ids) else []
+        return ids[: context_length - len(last)] + last

@@ -49,10 +49,14 @@ class Tokenizer(ABC):
                         f"caption of {len(ids)} tokens is longer than --text_seq_len {context_length}: "
                         f"raise --text_seq_len or allow --truncate_captions ({text[:60]!r})"
                     )
-                ids, truncated = ids[:context_length], truncated + 1
+                ids, truncated = self.cut_to(ids, context_length), truncated + 1
             out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         if out.numel() and (out.min() < 0 or out.max() >= self.vocab_size):
             raise ValueError(
                 f"tokenizer produced ids outside [0, {self.vocab_size}): the tokenizer file is inconsistent"
             )
         return out, truncated
+
+    def cut_to(self, ids: list[int], context_length: int) -> list[int]:
+        """A caption's ids cut to `context_length`: its first ones."""
+        return ids[:context_length]
