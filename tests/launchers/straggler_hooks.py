@@ -30,8 +30,13 @@ def slowed(way: str, step: int) -> bool:
 
 # another job on rank 1's host: 5 busy processes on its core leave it a sixth of the core (about 5x its own time)
 HOGS = 5
-# a busy loop that ends when its parent does (a test that fails midway leaves no hog behind)
-HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(100000))"
+# a busy loop on the core given as its argument that ends when its parent does (a test that fails midway leaves no
+# hog behind). It pins itself: Popen's preexec_fn runs between fork and exec in a copy of a process with threads
+# (Horovod's, Gloo's), where a lock another thread held at the fork can hang the child before it ever runs the loop
+HOG = (
+    "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nparent = os.getppid()\n"
+    "while os.getppid() == parent:\n    sum(range(100000))"
+)
 
 
 def core_of(rank: int) -> int:
@@ -66,11 +71,8 @@ class SlowRank1(Hooks):
         if slowed("before_step", step + 1):
             time.sleep(SLOW_S)
         if slowed("hog", step + 1) and not self.hogs:
-            core = core_of(1)  # rank 1's, as pinned in on_start
-            self.hogs = [
-                subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-                for _ in range(HOGS)
-            ]
+            core = str(core_of(1))  # rank 1's, as pinned in on_start
+            self.hogs = [subprocess.Popen([sys.executable, "-c", HOG, core]) for _ in range(HOGS)]
         elif not slowed("hog", step + 1):
             self._stop_hog()
 

@@ -7,6 +7,7 @@ tests/training/test_rank_stats.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -58,6 +59,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
     ]
     caught_up = [int(s) for s in re.findall(r"step (\d+): rank 1 \(\S+\) keeps up with the others again", log)]
     table = "\n".join(line for line in log.splitlines() if "straggler" in line or "keeps up" in line or "rank" in line)
+    table += "\nper log step: own_ms / cpu_wait_ms of rank 0, rank 1\n" + per_log_step(tmp_path)
     expected = []
     for way, (first, last) in plan.PHASES.items():
         at = [n for n in named if first <= n[0] <= last]
@@ -73,3 +75,13 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
         assert again and last < again <= last + 2 * plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
         expected.append(at[0])
     assert named == expected, f"a rank named outside the slowed steps:\n{table}"
+
+
+def per_log_step(run: str) -> str:
+    """Each log step's own and run-queue times of both ranks, from metrics.jsonl: what a failure needs to be read."""
+    lines = []
+    for line in open(os.path.join(run, "dalle", "metrics.jsonl")):
+        m = json.loads(line)
+        figures = [f"{m.get(f'rank{r}/own_ms', 0):.0f}/{m.get(f'rank{r}/cpu_wait_ms', 0):.0f}" for r in (0, 1)]
+        lines.append(f"  step {m['step']}: " + ", ".join(figures))
+    return "\n".join(lines)
