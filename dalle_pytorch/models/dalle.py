@@ -9,6 +9,10 @@ A caption reaches the model in one of two forms. Token ids (b, text_seq_len), em
 does), its features (b, text_seq_len, text_feature_dim) with zero vectors at padding: projected by an MLP into
 the caption positions (LlamaGen's CaptionEmbedder), padding never attended to, no text loss. A caption with no
 real token at all (a dropped caption, the unconditional row of guidance) reads a learned null caption instead.
+
+LlamaGen's text-to-image layout (`llamagen_layout`, set by reading one of its checkpoints: models/llamagen.py): no
+bos (the caption's text_seq_len positions come first, its real tokens last), LlamaGen's 2-D rotary table (zero at
+the caption), and a null caption read under the caption's own mask, as LlamaGen trains and samples it.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class DALLEConfig:
     image_fmap_size: int = 8
     # the frozen text encoder's width: captions arrive as features, num_text_tokens is 0 (set by --text_encoder)
     text_feature_dim: int = 0
+    # LlamaGen's T2I layout (see the module's docstring; set by reading its checkpoint, not a flag)
+    llamagen_layout: bool = False
 
     def __post_init__(self):
         # `--attn_types full axial_row` or the predecessor's `--attn_types full,axial_row`
@@ -95,15 +101,22 @@ class DALLEConfig:
             raise ValueError(f"--dim must be a positive multiple of 4 (got {self.dim})")
         if not 0 <= self.null_cond_prob < 1:
             raise ValueError(f"--null_cond_prob must be in [0, 1) (got {self.null_cond_prob})")
+        if self.llamagen_layout and not (self.text_feature_dim and self.rotary_emb and not self.shift_tokens):
+            raise ValueError("LlamaGen's layout reads caption features with its rotary positions and no token shift")
 
     @property
     def image_seq_len(self) -> int:
         return self.image_fmap_size**2
 
     @property
+    def prefix_len(self) -> int:
+        """Positions before the first image token: bos + text, or LlamaGen's caption alone."""
+        return self.text_seq_len + (0 if self.llamagen_layout else 1)
+
+    @property
     def seq_len(self) -> int:
         """Input positions: bos + text + image - 1 (the last image token is never an input)."""
-        return self.text_seq_len + self.image_seq_len
+        return self.prefix_len - 1 + self.image_seq_len
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,7 +134,7 @@ class DALLE(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.dim
-        self.bos = nn.Parameter(torch.randn(d) * 0.02)
+        self.bos = None if cfg.llamagen_layout else nn.Parameter(torch.randn(d) * 0.02)
         if cfg.text_feature_dim:  # LlamaGen's CaptionEmbedder: an MLP from the encoder's width, tanh-GELU between
             f = cfg.text_feature_dim
             self.caption_proj = nn.Sequential(nn.Linear(f, d), nn.GELU(approximate="tanh"), nn.Linear(d, d))
@@ -178,29 +191,48 @@ class DALLE(nn.Module):
             x = x + self.image_row(idx // f) + self.image_col(idx % f)
         return x
 
-    def caption_keys(self, text: torch.Tensor) -> torch.Tensor | None:
-        """(b, 1 + text_seq_len) which of [bos, caption] may be attended to: a features caption's real tokens,
-        or all of a null caption's; None for token ids (their padding is a token the model reads, as in DALL-E)."""
+    def placed(self, text: torch.Tensor) -> torch.Tensor:
+        """Caption features (b, T, F) with their real tokens first, as the data gives them, moved to where the
+        layout reads them: LlamaGen's puts them last, after the padding."""
+        if not self.cfg.llamagen_layout:
+            return text
+        t = text.shape[1]
+        pad = t - (text != 0).any(-1).sum(1, keepdim=True)  # (b, 1)
+        source = (torch.arange(t, device=text.device) - pad) % t  # position j reads real token j - pad
+        return text.gather(1, source[..., None].expand_as(text))
+
+    def caption_keys(self, text: torch.Tensor, null: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(b, prefix_len) which of [bos, caption] may be attended to: a features caption's real tokens, or all
+        of a null caption's (LlamaGen's layout: only at the caption's real tokens, unless it has none); None for
+        token ids (their padding is a token the model reads, as in DALL-E). `text` as `placed` gives it."""
         if not self.reads_features:
             return None
         real = (text != 0).any(-1)  # (b, T): padding is the zero vector
+        if null is not None and not self.cfg.llamagen_layout:
+            real = real | null[:, None]
         real = real | ~real.any(-1, keepdim=True)  # no real token: the learned null caption, read whole
+        if self.bos is None:
+            return real
         return torch.cat([real.new_ones(real.shape[0], 1), real], dim=1)
 
-    def _caption(self, text: torch.Tensor) -> torch.Tensor:
-        """(b, T) ids or (b, T, F) features -> (b, T, dim)."""
+    def _caption(self, text: torch.Tensor, null: torch.Tensor | None = None) -> torch.Tensor:
+        """(b, T) ids or (b, T, F) features (`placed`) -> (b, T, dim); rows where `null` read the null caption."""
         if not self.reads_features:
             return self.text_emb(self._padded(text) if self.cfg.reference_layout else text)
         dtype = self.caption_proj[0].weight.dtype
-        has_caption = (text != 0).any(-1).any(-1)[:, None, None]  # (b, 1, 1)
+        has_caption = (text != 0).any(-1).any(-1)  # (b,)
+        if null is not None:
+            has_caption = has_caption & ~null
         projected = self.caption_proj(text.to(dtype))
-        return torch.where(has_caption, projected, self.null_caption.to(projected.dtype))
+        return torch.where(has_caption[:, None, None], projected, self.null_caption.to(projected.dtype))
 
-    def embed(self, text: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
-        """Embeddings of the input positions [bos, text, image tokens given]: (b, 1 + text_seq_len + k, dim)."""
+    def embed(self, text: torch.Tensor, image: torch.Tensor | None, null: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings of the input positions [bos, text, image tokens given]: (b, prefix_len + k, dim). `text` as
+        `placed` gives it."""
         b, c = text.shape[0], self.cfg
-        caption = self._caption(text)
-        x = torch.cat([self.bos.to(caption.dtype).expand(b, 1, -1), caption], dim=1)  # (b, T+1, d)
+        x = self._caption(text, null)
+        if self.bos is not None:
+            x = torch.cat([self.bos.to(x.dtype).expand(b, 1, -1), x], dim=1)  # (b, T+1, d)
         if not c.rotary_emb:
             x = x + self.text_pos.weight
         if image is not None and image.shape[1]:
@@ -216,15 +248,20 @@ class DALLE(nn.Module):
     def _final(self, h: torch.Tensor) -> torch.Tensor:
         return self.divide_max(self.norm(h))
 
-    def _hidden(self, text, image, cache: KVCache | None = None) -> torch.Tensor:
-        return self._final(self.transformer(self.embed(text, image), cache, self.caption_keys(text)))
+    def _hidden(self, text, image, cache: KVCache | None = None, null: torch.Tensor | None = None) -> torch.Tensor:
+        """`null` (b,) bool: rows that read the null caption instead of theirs (a dropped caption, guidance's
+        unconditional row): for token ids, all padding."""
+        if null is not None and not self.reads_features:
+            text, null = torch.where(null[:, None], 0, text), None
+        text = self.placed(text) if self.reads_features else text
+        return self._final(self.transformer(self.embed(text, image, null), cache, self.caption_keys(text, null)))
 
-    def logits(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    def logits(self, text: torch.Tensor, image: torch.Tensor, null: torch.Tensor | None = None) -> torch.Tensor:
         """(b, seq_len, num_text_tokens + num_image_tokens), -inf where a position may not predict a token."""
         self._check(text, image)
-        h = self._hidden(text, image[:, :-1])
+        h = self._hidden(text, image[:, :-1], None, null)
         c = self.cfg
-        t, i = c.text_seq_len, c.num_text_tokens
+        t, i = c.prefix_len - 1, c.num_text_tokens
         out = torch.full((*h.shape[:2], i + c.num_image_tokens), float("-inf"), device=h.device, dtype=h.dtype)
         if self.text_head is not None:  # a features caption has no vocabulary: its positions predict nothing
             out[:, :t, :i] = self.text_head(h[:, :t])
@@ -256,11 +293,11 @@ class DALLE(nn.Module):
         """The training loss (weighted text + image cross-entropy) and metrics; `forward` so wrappers see it."""
         self._check(text, image)
         c = self.cfg
+        null = None
         if self.training and c.null_cond_prob > 0:  # caption dropout for classifier-free guidance
-            keep = torch.rand(text.shape[0], device=text.device) >= c.null_cond_prob
-            text = text * keep.view(-1, *[1] * (text.dim() - 1))  # all padding: the null caption
-        h = self._hidden(text, image[:, :-1])  # (b, T + I, d)
-        image_logits = self.image_head(h[:, c.text_seq_len :]).float()  # position T + k predicts image token k
+            null = torch.rand(text.shape[0], device=text.device) < c.null_cond_prob
+        h = self._hidden(text, image[:, :-1], None, null)  # (b, prefix + I - 1, d)
+        image_logits = self.image_head(h[:, c.prefix_len - 1 :]).float()  # prefix - 1 + k predicts image token k
         if self.reads_features:  # nothing to predict in the caption: the image loss alone
             image_loss = F.cross_entropy(image_logits.transpose(1, 2), image)
             return self._with_z_loss(image_loss, {"image_loss": image_loss.detach()}, [image_logits])
@@ -288,11 +325,17 @@ class DALLE(nn.Module):
         kv = c.kv_heads or c.heads
         return KVCache(batch, c.seq_len, c.depth, kv, c.dim_head, c.dim, device, dtype, c.shift_tokens)
 
-    def prefill(self, text: torch.Tensor, cache: KVCache, image_prime: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        text: torch.Tensor,
+        cache: KVCache,
+        image_prime: torch.Tensor | None = None,
+        null: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the caption (and any priming image tokens (b, k)) through the model, filling the cache's
-        positions 0..T+k; logits for the next image token (b, num_image_tokens)."""
+        positions 0..prefix+k-1; logits for the next image token (b, num_image_tokens). `null` as in _hidden."""
         self._check(text, image_prime)
-        h = self._hidden(text, image_prime, cache)
+        h = self._hidden(text, image_prime, cache, null)
         return self.image_head(h[:, -1]).float()
 
     def decode_step(self, token: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -301,6 +344,6 @@ class DALLE(nn.Module):
         eager and compiled: no shape depends on the position, so torch.compile builds one graph for every
         step. Attention reads the whole static cache with later keys masked (measured on CPU: ~10% slower
         per step in eager mode than attending over a slice of the filled keys)."""
-        idx = (pos - self.cfg.text_seq_len - 1).view(1)  # the token's index in the image
+        idx = (pos - self.cfg.prefix_len).view(1)  # the token's index in the image
         h = self._final(self.transformer.decode(self._embed_image(token[:, None], idx), pos, cache))
         return self.image_head(h[:, -1]).float()

@@ -67,7 +67,10 @@ def generate_image_tokens(
     cfg = model.cfg
     b = text.shape[0]
     guided = cond_scale != 1.0
-    rows = torch.cat([text, torch.zeros_like(text)]) if guided else text  # unconditional = all-padding caption
+    rows = torch.cat([text, text]) if guided else text
+    null = None  # the unconditional rows read the null caption (all padding for token ids)
+    if guided:
+        null = torch.arange(2 * b, device=text.device) >= b
     image = prime if prime is not None else torch.zeros(b, 0, dtype=torch.long, device=text.device)
     if guided:
         image = torch.cat([image, image])
@@ -75,10 +78,10 @@ def generate_image_tokens(
     settings = (temperature, top_k, top_p, cond_scale)
     if use_cache:
         cache = model.new_cache(rows.shape[0], text.device, next(model.parameters()).dtype)
-        logits = model.prefill(rows, cache, image if k0 else None)
+        logits = model.prefill(rows, cache, image if k0 else None, null)
         step = _compiled_step(model, settings, compile) if compile else _step(model, settings)
     else:
-        logits = _next_logits_uncached(model, rows, image)
+        logits = _next_logits_uncached(model, rows, image, null)
     vocab = logits.shape[-1]
 
     per_row = isinstance(generator, (list, tuple))
@@ -99,10 +102,10 @@ def generate_image_tokens(
             on_token()
         if k + 1 == cfg.image_seq_len:
             break
-        if use_cache:  # decode token k at input position T + 1 + k, pick token k + 1
-            new = step(new, torch.tensor(cfg.text_seq_len + k + 1, device=text.device), cache, noise())
+        if use_cache:  # decode token k at input position prefix + k, pick token k + 1
+            new = step(new, torch.tensor(cfg.prefix_len + k, device=text.device), cache, noise())
         else:
-            new = pick_token(_next_logits_uncached(model, rows, image), noise(), *settings)
+            new = pick_token(_next_logits_uncached(model, rows, image, null), noise(), *settings)
     return image[:b]
 
 
@@ -134,11 +137,12 @@ def generate_text_tokens(
     return text
 
 
-def _next_logits_uncached(model, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+def _next_logits_uncached(model, text: torch.Tensor, image: torch.Tensor, null=None) -> torch.Tensor:
     """Logits for image token k given tokens (b, k) so far, from a full forward over the prefix. logits()
     never feeds its last image token in, so a placeholder there puts every given token in the input."""
     placeholder = image.new_zeros(image.shape[0], 1)
-    return model.logits(text, torch.cat([image, placeholder], dim=1))[:, -1, model.cfg.num_text_tokens :].float()
+    logits = model.logits(text, torch.cat([image, placeholder], dim=1), null)
+    return logits[:, -1, model.cfg.num_text_tokens :].float()
 
 
 def _step(model, settings: tuple):

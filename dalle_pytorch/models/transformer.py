@@ -2,7 +2,9 @@
 rotary positions, token shift, the stabilizers users know (CogView's, sandwich norm, QK-norm), and Llama's parts
 (RMSNorm, SwiGLU, grouped-query attention: layers.py and --kv_heads).
 
-The sequence is [<bos>, text (text_seq_len), image (fmap^2)] minus its last token. Masks are built once
+The sequence is [<bos>, text (text_seq_len), image (fmap^2)] minus its last token, or with LlamaGen's layout
+[caption (text_seq_len), image (fmap^2)] minus its last token: the functions below take `text_len`, the prefix
+before the first image token less one (text_seq_len with a bos, text_seq_len - 1 without). Masks are built once
 per attention type from the layout; the KV cache lets generation decode one token per step.
 """
 
@@ -76,8 +78,30 @@ def rotary_angles(text_len: int, fmap: int, dim_head: int, theta: float = 10000.
     return torch.cat([text_pos[:, None] * freqs_text, row[:, None] * freqs_pix, col[:, None] * freqs_pix], dim=-1)
 
 
+def llamagen_rotary(caption_len: int, fmap: int, dim_head: int, theta: float = 10000.0) -> torch.Tensor:
+    """LlamaGen's 2-D rotary table (n, dim_head // 2, 2) of (cos, sin) for [caption, image - 1]: every feature pair
+    (adjacent features) rotates, the first half of the pairs by the image row and the second by the column, with
+    Llama's frequencies over dim_head // 2; the caption positions' entries are zero, as LlamaGen builds them (its
+    captions' queries and keys are zero vectors: they attend uniformly and are attended to with score 0). Image
+    token k sits at position caption_len + k with the row and column of token k."""
+    half = dim_head // 2
+    freqs = 1.0 / theta ** (torch.arange(0, half, 2)[: half // 2].float() / half)
+    grid = torch.outer(torch.arange(fmap).float(), freqs)  # (fmap, dim_head // 4)
+    rows = grid[:, None, :].expand(-1, fmap, -1)
+    cols = grid[None, :, :].expand(fmap, -1, -1)
+    angles = torch.cat([rows, cols], dim=-1).flatten(0, 1)  # (fmap^2, dim_head // 2)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return torch.cat([torch.zeros(caption_len, half, 2), table[: fmap * fmap - 1]])
+
+
 def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2*angles.shape[-1] features of x (b, h, n, d) by `angles` (n, r)."""
+    """Rotate the first 2*angles.shape[-1] features of x (b, h, n, d) by `angles` (n, r); or, with LlamaGen's
+    table (n, d // 2, 2) of cos and sin, every adjacent pair of features, in float32 as LlamaGen does."""
+    if angles.dim() == 3:
+        pairs = x.float().unflatten(-1, (-1, 2))
+        cos, sin = angles[..., 0], angles[..., 1]
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).to(x.dtype)
     r = angles.shape[-1]
     rot, rest = x[..., : 2 * r], x[..., 2 * r :]
     x1, x2 = rot[..., :r], rot[..., r:]
@@ -251,7 +275,7 @@ class Block(nn.Module):
         self.scale2 = nn.Parameter(torch.full((dim,), init)) if cfg.stable else None
         self.shift = cfg.shift_tokens
         self.reference_shift = cfg.reference_layout
-        self.text_len, self.fmap = cfg.text_seq_len, cfg.image_fmap_size
+        self.text_len, self.fmap = cfg.prefix_len - 1, cfg.image_fmap_size
 
     def forward(self, x, mask, angles, cache: LayerCache | None = None, layout: SparseLayout | None = None):
         """Positions 0..m-1 (training, logits, prefill); fills the cache's rows 0..m-1 when given one."""
@@ -311,12 +335,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(_blocks(cfg, types))
         # each sparse pattern's score layout, computed from its mask (the mask serves prefixes and decoding)
         self.layouts = nn.ModuleDict()
+        text_len, fmap = cfg.prefix_len - 1, cfg.image_fmap_size
         for t in sorted(set(types)):
-            mask = attention_mask(t, cfg.text_seq_len, cfg.image_fmap_size)
+            mask = attention_mask(t, text_len, fmap)
             self.register_buffer(f"mask_{t}", mask, persistent=False)
             if t != "full":
-                self.layouts[t] = SparseLayout(t, mask, cfg.text_seq_len, cfg.image_fmap_size)
-        angles = rotary_angles(cfg.text_seq_len, cfg.image_fmap_size, cfg.dim_head) if cfg.rotary_emb else None
+                self.layouts[t] = SparseLayout(t, mask, text_len, fmap)
+        angles = None
+        if cfg.llamagen_layout:
+            angles = llamagen_rotary(cfg.text_seq_len, fmap, cfg.dim_head)
+        elif cfg.rotary_emb:
+            angles = rotary_angles(text_len, fmap, cfg.dim_head)
         self.register_buffer("angles", angles, persistent=False)
         # recompute each block in backward instead of keeping its activations (set by --checkpoint_activations)
         self.checkpoint_activations = False
@@ -329,8 +358,9 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
         """x (b, m, dim) at positions 0..m-1 -> (b, m, dim); fills the cache's rows 0..m-1 when given one.
-        keys (b, k <= m): which of the first k positions may be attended to (a caption's padding may not); the
-        attention then takes a per-row mask instead of its pattern's fused or sparse path."""
+        keys (b, k <= m): which of the first k positions may be attended to (a caption's padding may not, except by
+        itself, as LlamaGen's mask has it: a row with no other key reads its own); the attention then takes a
+        per-row mask instead of its pattern's fused or sparse path."""
         recompute = self.checkpoint_activations and cache is None and torch.is_grad_enabled()
         m = x.shape[1]
         if keys is not None:
@@ -341,7 +371,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             mask, layout = self._mask(layer), self._layout(layer)
             if keys is not None:
-                mask, layout = mask[:m, :m] & keys[:, None, None, :], None  # (b, 1, m, m)
+                eye = torch.eye(m, dtype=torch.bool, device=x.device)
+                mask, layout = (mask[:m, :m] & keys[:, None, None, :]) | eye, None  # (b, 1, m, m)
             if recompute:  # only the block's input is kept; non-reentrant, so it nests in DDP, FSDP, ZeRO-3, compile
                 x = checkpoint(layer, x, mask, self.angles, None, layout, use_reentrant=False)
             else:

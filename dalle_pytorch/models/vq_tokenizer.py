@@ -21,7 +21,7 @@ Before `disc_start` both terms are computed and weighted by 0, so that every ste
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,17 @@ class VQTokenizerConfig:
     l2_norm: bool = True  # look codes up by cosine: encoder vectors and codebook l2-normalized
     commitment_weight: float = 0.25
     entropy_weight: float = 0.0  # LlamaGen's entropy term: confident codes, all of them used
+    # LlamaGen's VQ (read from its checkpoints, not flags): its channel multipliers per resolution (num_layers + 1 of
+    # them; empty: 1, 2, 2, 4, 4 ...), an encoder output of z_channels brought to code_dim by a 1x1 conv (0: the
+    # encoder writes code_dim itself), and attention after every resnet block at the lowest resolution
+    ch_mult: list = field(default_factory=list)
+    z_channels: int = 0
+    lowest_attn: bool = False
 
     def __post_init__(self):
+        self.ch_mult = [int(m) for m in self.ch_mult]
+        if self.ch_mult and len(self.ch_mult) != self.num_layers + 1:
+            raise ValueError(f"ch_mult {self.ch_mult} needs num_layers + 1 = {self.num_layers + 1} entries")
         if self.image_size % (2**self.num_layers):
             raise ValueError(
                 f"--image_size {self.image_size} is not a multiple of 2**--num_layers ({2**self.num_layers}): the "
@@ -66,7 +75,14 @@ class VQTokenizerConfig:
     @property
     def widths(self) -> list[int]:
         """Channels at each resolution, full first."""
+        if self.ch_mult:
+            return [self.hidden_dim * m for m in self.ch_mult]
         return [self.hidden_dim * (1, 2, 2, 4, 4, 4, 4, 4)[min(i, 7)] for i in range(self.num_layers + 1)]
+
+    @property
+    def latent_dim(self) -> int:
+        """The channels between the encoder (decoder) and the codes: z_channels, or code_dim without them."""
+        return self.z_channels or self.code_dim
 
     def to_dict(self) -> dict:
         return {"model": "vqgan", **asdict(self)}
@@ -87,21 +103,25 @@ def _encoder(cfg: VQTokenizerConfig) -> nn.ModuleList:
         for _ in range(cfg.num_resnet_blocks):
             blocks.append(ResnetBlock(width, out))
             width = out
+            if cfg.lowest_attn and i == cfg.num_layers:
+                blocks.append(AttnBlock(width))
         if i < cfg.num_layers:
             blocks.append(Downsample(width, True))
-    blocks += [ResnetBlock(width, width), AttnBlock(width), ResnetBlock(width, width), Head(width, cfg.code_dim)]
+    blocks += [ResnetBlock(width, width), AttnBlock(width), ResnetBlock(width, width), Head(width, cfg.latent_dim)]
     return nn.ModuleList(blocks)
 
 
 def _decoder(cfg: VQTokenizerConfig) -> nn.ModuleList:
     w = cfg.widths[::-1]
     width = w[0]
-    blocks: list[nn.Module] = [nn.Conv2d(cfg.code_dim, width, 3, padding=1)]
+    blocks: list[nn.Module] = [nn.Conv2d(cfg.latent_dim, width, 3, padding=1)]
     blocks += [ResnetBlock(width, width), AttnBlock(width), ResnetBlock(width, width)]
     for i, out in enumerate(w):
         for _ in range(cfg.num_resnet_blocks + 1):
             blocks.append(ResnetBlock(width, out))
             width = out
+            if cfg.lowest_attn and i == 0:
+                blocks.append(AttnBlock(width))
         if i < cfg.num_layers:
             blocks.append(Upsample(width, True))
     blocks.append(Head(width, cfg.channels))
@@ -131,6 +151,9 @@ class VQTokenizer(ConfigSizes, nn.Module):
         self.cfg = cfg
         self.encoder = _encoder(cfg)
         self.decoder = _decoder(cfg)
+        if cfg.z_channels:  # LlamaGen's: 1x1 convs between the encoder's (decoder's) width and the codes'
+            self.quant_conv = nn.Conv2d(cfg.z_channels, cfg.code_dim, 1)
+            self.post_quant_conv = nn.Conv2d(cfg.code_dim, cfg.z_channels, 1)
         self.codebook = nn.Embedding(cfg.num_tokens, cfg.code_dim)
         nn.init.uniform_(self.codebook.weight, -1 / cfg.num_tokens, 1 / cfg.num_tokens)
 
@@ -141,7 +164,10 @@ class VQTokenizer(ConfigSizes, nn.Module):
     def encode(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(b, c, s, s) in [0, 1] -> (z (b, f, f, d) as looked up, -squared distances to every code (b, f, f, n))."""
         check_images(images, self.cfg.channels, self.cfg.image_size)
-        z = _run(self.encoder, images * 2 - 1).permute(0, 2, 3, 1).float()
+        z = _run(self.encoder, images * 2 - 1)
+        if self.cfg.z_channels:
+            z = self.quant_conv(z)
+        z = z.permute(0, 2, 3, 1).float()
         if self.cfg.l2_norm:
             z = F.normalize(z, dim=-1)
         e = self._codebook().float()
@@ -150,7 +176,8 @@ class VQTokenizer(ConfigSizes, nn.Module):
 
     def decode_vectors(self, zq: torch.Tensor) -> torch.Tensor:
         """(b, f, f, d) code vectors -> (b, c, s, s) nominally in [-1, 1]."""
-        return _run(self.decoder, zq.permute(0, 3, 1, 2))
+        z = zq.permute(0, 3, 1, 2)
+        return _run(self.decoder, self.post_quant_conv(z) if self.cfg.z_channels else z)
 
     @torch.no_grad()
     def get_codebook_indices(self, images: torch.Tensor) -> torch.Tensor:
