@@ -5,6 +5,8 @@ generate.py and train_dalle.py read.
     python -m dalle_pytorch.convert runs/vae/checkpoints/step-00000500 --out vae.pt
     python -m dalle_pytorch.convert --from_reference old_vae.pt --out vae.pt
     python -m dalle_pytorch.convert --from_reference old_dalle.pt --out dalle.pt [--bpe_path bpe.model | --chinese]
+    python -m dalle_pytorch.convert --from_llamagen t2i_XL_stage1_256.pt --vae_path vq_ds16_t2i.pt \
+        --text_encoder_path google/flan-t5-xl --out llamagen.safetensors      (LlamaGen's: inference/published.py)
 
 A predecessor's file is read weights-only (no code from it runs); its text tokenizer is the one its flags chose
 (the CLIP BPE by default, --bpe_path [--hug], --chinese), and a VQGAN it used needs --vqgan_config_path.
@@ -82,6 +84,10 @@ def convert_predecessor(path: str, out: str, **predecessor) -> str:
 class ConvertConfig:
     checkpoint: str = flag("", "a checkpoint directory: RUN_DIR/checkpoints/step-XXXXXXXX", positional=True)
     from_reference: str = flag("", "a vae.pt or dalle.pt written by lucidrains' dalle-pytorch 1.6")
+    from_llamagen: str = flag("", "LlamaGen's text-to-image GPT (t2i_XL_stage1_256.pt), with --vae_path and ...")
+    vae_path: str = flag("", "--from_llamagen: its VQ tokenizer (vq_ds16_t2i.pt)")
+    text_encoder_path: str = flag("", "--from_llamagen: its text encoder, FLAN-T5-XL (a folder or google/flan-t5-xl)")
+    pretrained_image_size: int = flag(0, "--from_llamagen: the image side its VQ tokenizes (256; 512 for stage 2)")
     out: str = flag("", "the export to write (vae.pt or dalle.pt; required)")
     debug: bool = flag(False, "show tracebacks for user errors")
 
@@ -95,9 +101,17 @@ def main(argv=None):
     with user_errors(args.debug):
         if not args.out:
             raise ValueError("--out is required: the export to write (vae.pt or dalle.pt)")
-        if bool(args.checkpoint) == bool(args.from_reference):
-            raise ValueError("give a checkpoint directory or --from_reference OLD.pt (one of them)")
-        if args.from_reference:
+        if bool(args.checkpoint) + bool(args.from_reference) + bool(args.from_llamagen) != 1:
+            raise ValueError("give a checkpoint directory, --from_reference OLD.pt or --from_llamagen GPT.pt (one)")
+        if args.from_llamagen:
+            from .inference.published import llamagen_dalle_export
+
+            export = llamagen_dalle_export(
+                args.from_llamagen, args.vae_path, args.text_encoder_path, args.pretrained_image_size
+            )
+            save_export(args.out, "dalle", **{k: export[k] for k in ("config", "weights", "vae", "tokenizer")})
+            out = args.out
+        elif args.from_reference:
             out = convert_predecessor(args.from_reference, args.out, **old.how_to_read())
         else:
             out = convert(args.checkpoint, args.out)

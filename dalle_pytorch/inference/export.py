@@ -12,6 +12,7 @@ import os
 
 from ..compat.weights import is_predecessor, predecessor_export
 from ..files import atomic_save, safe_load
+from ..models import llamagen
 
 EXPORT_FORMAT_VERSION = 1
 
@@ -42,6 +43,43 @@ def export_weights(obj: dict, which: str = "auto", path: str = "the export") -> 
     return {**obj["weights"], **obj["ema"]["weights"]}  # the average covers the parameters; buffers are raw
 
 
+def _read(path: str, kind: str):
+    """safe_load, and for a file that pickles classes (LlamaGen's checkpoints keep their argparse Namespace) the
+    inert reader, which runs none of their code."""
+    try:
+        return safe_load(path)
+    except ValueError as e:
+        if "pickled code" not in str(e):
+            raise
+    from ..models.inert_pickle import load_untrusted
+
+    obj = load_untrusted(path, f"--{kind}_path")
+    if not isinstance(obj, dict) or not llamagen.kind_of(llamagen.checkpoint_weights(obj)):
+        raise ValueError(
+            f"refusing to load {path}: it contains pickled code and is not an export of this project or "
+            f"{llamagen.EXPECTED}"
+        )
+    return obj
+
+
+def _llamagen_export(obj, found: str, path: str, kind: str, image_size: int) -> dict:
+    if found == "vq" and kind == "vae":
+        return llamagen.vq_export(llamagen.checkpoint_weights(obj), image_size, path)
+    if found == "c2i":
+        raise ValueError(
+            f"{path} is a class-conditional LlamaGen GPT: only its text-to-image (t2i_*) ones read captions"
+        )
+    if found == "vq":
+        raise ValueError(f"{path} is LlamaGen's VQ tokenizer: pass it with --vae_path")
+    if kind == "dalle":
+        raise ValueError(
+            f"{path} is LlamaGen's text-to-image GPT, which holds neither its image tokenizer nor its text encoder: "
+            "convert it once with `python -m dalle_pytorch.convert --from_llamagen "
+            f"{path} --vae_path VQ.pt --text_encoder_path FLAN-T5-XL --out dalle.safetensors` (see docs/llamagen.md)"
+        )
+    raise ValueError(f"{path} is LlamaGen's text-to-image GPT, not a {kind}: pass it with --dalle_path")
+
+
 def _lists(node):
     if isinstance(node, dict):
         return {k: _lists(v) for k, v in node.items()}
@@ -50,10 +88,16 @@ def _lists(node):
     return node
 
 
-def load_export(path: str, kind: str, predecessor: dict | None = None, say=print) -> dict:
-    """The export at `path`, or a checkpoint of lucidrains' dalle-pytorch 1.6 converted in memory; `predecessor`:
-    the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese, vqgan_config_path)."""
-    obj = safe_load(path)
+def load_export(path: str, kind: str, predecessor: dict | None = None, say=print, image_size: int = 0) -> dict:
+    """The export at `path`, or a checkpoint of lucidrains' dalle-pytorch 1.6 or a LlamaGen VQ converted in memory;
+    `predecessor`: the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese,
+    vqgan_config_path); `image_size`: the side a LlamaGen VQ tokenizes (--pretrained_image_size; 0: 256)."""
+    obj = _read(path, kind)
+    llamagen_kind = llamagen.kind_of(llamagen.checkpoint_weights(obj)) if "format_version" not in obj else ""
+    if llamagen_kind:
+        return _llamagen_export(obj, llamagen_kind, path, kind, image_size)
+    if image_size:
+        raise ValueError("--pretrained_image_size is for pretrained tokenizers; our VAE has its own size")
     if is_predecessor(obj) and kind in ("vae", "dalle"):
         say(
             f"{path}: a dalle-pytorch 1.6 {kind} checkpoint, converted on the fly "

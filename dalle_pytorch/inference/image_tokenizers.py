@@ -21,14 +21,18 @@ class ImageTokenizerConfig:
     command's, and what a run's config.json records of them (`config.pick(ImageTokenizerConfig, record)`)."""
 
     vae_path: str = flag(
-        "", "VAE export written by train_vae.py (or a pretrained tokenizer: --taming, --openai_vae_path)"
+        "",
+        "VAE export written by train_vae.py, or LlamaGen's VQ checkpoint (vq_ds16_t2i.pt; or a pretrained tokenizer: "
+        "--taming, --openai_vae_path)",
     )
     taming: bool = flag(False, "tokenize images with a pretrained taming-transformers VQGAN or Gumbel-VQ")
     vqgan_model_path: str = flag("", "--taming: the VQGAN's Lightning checkpoint (.ckpt) or state dict")
     vqgan_config_path: str = flag("", "--taming: the VQGAN's config (.yaml)")
     openai_vae_path: str = flag("", "a folder with OpenAI's dVAE: encoder.pkl + decoder.pkl, or their state dicts .pt")
     pretrained_image_size: int = flag(
-        0, "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE)"
+        0,
+        "image side for a pretrained tokenizer (0: the VQGAN config's resolution; 256 for OpenAI's dVAE and "
+        "LlamaGen's VQ)",
     )
 
 
@@ -53,12 +57,10 @@ def load_image_tokenizer(cfg: ImageTokenizerConfig, data_given: bool = False, sa
             "pretrained tokenizer with --taming --vqgan_model_path M --vqgan_config_path C, or --openai_vae_path DIR; "
             "with --image_text_folder and none of these, OpenAI's dVAE is downloaded (the predecessor's default)"
         )
-    if image_size and vae_path:
-        raise ValueError("--pretrained_image_size is for --taming and --openai_vae_path; our VAE has its own size")
     if image_size < 0:
         raise ValueError(f"--pretrained_image_size must be positive, or 0 for the tokenizer's own (got {image_size})")
     if vae_path:
-        vae, export = load_vae(vae_path)
+        vae, export = load_vae(vae_path, image_size=image_size)
     elif taming:
         vae, export = _load_taming(vqgan_model_path, vqgan_config_path, image_size)
     else:

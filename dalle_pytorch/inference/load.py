@@ -30,9 +30,10 @@ def vae_from_export(obj: dict) -> DiscreteVAE | VQTokenizer:
     return vae.eval().requires_grad_(False)
 
 
-def load_vae(path: str, map_location="cpu") -> tuple[DiscreteVAE | VQTokenizer, dict]:
-    """The frozen, eval-mode VAE (a dVAE or a VQGAN) stored in an export written by train_vae.py, and the export."""
-    obj = load_export(path, "vae")
+def load_vae(path: str, map_location="cpu", image_size: int = 0) -> tuple[DiscreteVAE | VQTokenizer, dict]:
+    """The frozen, eval-mode VAE (a dVAE or a VQGAN) stored in an export written by train_vae.py, or LlamaGen's VQ
+    (tokenizing `image_size` images, 256 by default), and the export."""
+    obj = load_export(path, "vae", image_size=image_size)
     return vae_from_export(obj).to(map_location), obj
 
 

@@ -45,7 +45,16 @@ def precomputed(dataset, vae, vae_id: str, run, backend) -> PrecomputedTokens:
 
 def start_of(run_cfg, say=print) -> tuple[dict, object]:
     """(export, image tokenizer) of the --dalle_path a DALLE run started from, read as train_dalle.py read it
-    (`run_cfg`: its DALLERunConfig, as parsed or as its config.json records it)."""
+    (`run_cfg`: its DALLERunConfig, as parsed or as its config.json records it). LlamaGen's T2I GPT is read with
+    the VQ of --vae_path and the encoder of --text_encoder_path (inference/published.py)."""
+    from ..inference.load import vae_from_export
+    from ..inference.published import llamagen_dalle_export, llamagen_kind
+
+    if llamagen_kind(run_cfg.dalle_path):
+        export = llamagen_dalle_export(
+            run_cfg.dalle_path, run_cfg.vae_path, run_cfg.text_encoder_path, run_cfg.pretrained_image_size, say=say
+        )
+        return export, vae_from_export(export["vae"])
     # the predecessor's dalle.pt does not say which text tokenizer it used: its flags do (our exports carry theirs)
     predecessor = {
         "bpe_path": run_cfg.bpe_path,

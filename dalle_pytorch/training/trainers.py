@@ -16,6 +16,7 @@ from ..data.tokenized import tokenized
 from ..data.tokenizer import tokenizer_from_dict
 from ..inference.fits import dalle_fit
 from ..inference.image_tokenizers import load_image_tokenizer, tokenizer_fingerprint, tokenizer_flag
+from ..inference.published import llamagen_kind
 from ..inference.text_encoders import FrozenTextEncoder, load_text_encoder
 from ..models.clip import CLIP, CLIPConfig
 from ..models.dalle import DALLE, DALLEConfig
@@ -235,7 +236,8 @@ def _start_from(run_cfg: DALLERunConfig, model_cfg: DALLEConfig, say=print):
     its fingerprint) of --dalle_path. --vqgan_model_path / --openai_vae_path say where its tokenizer moved."""
 
     given = [f for f in ("vae_path", "taming") if getattr(run_cfg, f)]
-    if given:
+    published = llamagen_kind(run_cfg.dalle_path)  # LlamaGen's GPT: its VQ comes from --vae_path
+    if given and given != ["vae_path"] * bool(published):
         raise ValueError(f"--dalle_path brings its own VAE: drop --{', --'.join(given)}")
     start, vae = start_of(run_cfg, say)
     theirs, defaults = DALLEConfig(**start["config"]), DALLEConfig()

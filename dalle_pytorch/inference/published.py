@@ -1,0 +1,80 @@
+"""A DALLE export made from LlamaGen's published text-to-image GPT (models/llamagen.py) and the two files it needs
+beside it: its VQ tokenizer (--vae_path vq_ds16_t2i.pt) and its text encoder (FLAN-T5-XL, --text_encoder_path).
+
+    python -m dalle_pytorch.convert --from_llamagen t2i_XL_stage1_256.pt --vae_path vq_ds16_t2i.pt \\
+        --text_encoder_path google/flan-t5-xl --out llamagen-t2i-xl.safetensors
+
+The export is ours in every way (generate.py, serve.py, the evaluation, `train_dalle.py --dalle_path` to fine-tune
+it, the Hub): the VQ's weights inside it, the encoder recorded with its fingerprint. train_dalle.py builds the same
+export in memory when --dalle_path names the GPT file itself (with --vae_path and --text_encoder_path)."""
+
+from __future__ import annotations
+
+import os
+
+from ..files import is_safetensors
+from ..models import llamagen
+from .export import EXPORT_FORMAT_VERSION, _read
+from .load import load_vae
+
+
+def llamagen_kind(path: str) -> str:
+    """ "t2i", "c2i", "vq" for LlamaGen's checkpoints, "" for anything else (our exports included). Reads the file's
+    names only: a zip file's tensors stay on disk until used (mmap)."""
+    if not path or not os.path.isfile(path) or is_safetensors(path):  # ours, or LlamaGen's never
+        return ""
+    try:
+        obj = _read(path, "dalle")
+    except ValueError:
+        return ""
+    return (
+        "" if isinstance(obj, dict) and "format_version" in obj else llamagen.kind_of(llamagen.checkpoint_weights(obj))
+    )
+
+
+def llamagen_dalle_export(
+    gpt_path: str, vae_path: str, text_encoder_path: str, image_size: int = 0, device="cpu", say=print
+) -> dict:
+    """The DALLE export of LlamaGen's T2I GPT at gpt_path, read with the VQ at vae_path (any image tokenizer export
+    of its vocabulary) and the T5 encoder at text_encoder_path (a folder or a Hub name)."""
+    from ..data.encoder_tokenizer import EncoderTokenizer
+    from .text_encoders import FrozenTextEncoder
+
+    kind = llamagen_kind(gpt_path)
+    if kind != "t2i":
+        what = {"c2i": "a class-conditional LlamaGen GPT", "vq": "LlamaGen's VQ tokenizer"}.get(kind, "not LlamaGen's")
+        raise ValueError(f"{gpt_path} is {what}: pass LlamaGen's text-to-image GPT (t2i_XL_stage1_256.pt)")
+    if not vae_path:
+        raise ValueError(f"{gpt_path} is LlamaGen's GPT: give its VQ tokenizer with --vae_path (vq_ds16_t2i.pt)")
+    if not text_encoder_path:
+        raise ValueError(
+            f"{gpt_path} reads FLAN-T5-XL features: give the encoder with --text_encoder_path (a folder, or "
+            "google/flan-t5-xl from the Hub)"
+        )
+    weights = llamagen.checkpoint_weights(_read(gpt_path, "dalle"))
+    vae, vae_export = load_vae(vae_path, image_size=image_size)
+    cfg = llamagen.gpt_config(weights, vae.fmap_size, gpt_path)
+    if cfg.num_image_tokens != vae.num_tokens:
+        raise ValueError(
+            f"{gpt_path} predicts {cfg.num_image_tokens} image codes, --vae_path {vae_path} has {vae.num_tokens}: "
+            "pass the VQ it was trained with (vq_ds16_t2i.pt)"
+        )
+    tokenizer = EncoderTokenizer("t5", text_encoder_path)
+    encoder = FrozenTextEncoder(tokenizer, device)
+    if encoder.dim != cfg.text_feature_dim:
+        raise ValueError(
+            f"--text_encoder_path {text_encoder_path} gives {encoder.dim} features, {gpt_path} reads "
+            f"{cfg.text_feature_dim} (FLAN-T5-XL's): pass the encoder it was trained with"
+        )
+    say(
+        f"{gpt_path}: LlamaGen's T2I GPT ({cfg.dim} wide, {cfg.depth} layers, {cfg.heads} heads), "
+        f"{vae.fmap_size}x{vae.fmap_size} codes of {vae_path}, captions through {text_encoder_path}"
+    )
+    return {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "kind": "dalle",
+        "config": cfg.to_dict(),
+        "weights": llamagen.gpt_weights(weights, cfg, gpt_path),
+        "vae": vae_export,
+        "tokenizer": encoder.record(),
+    }
