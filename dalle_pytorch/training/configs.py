@@ -249,6 +249,11 @@ class VAERunConfig:
     anneal_steps: int = flag(0, "steps over which the temperature anneals; 0: the whole run")
     temp_schedule: str = flag("cosine", "temperature anneal shape", choices=("cosine", "exponential", "linear"))
     vae_output: str = flag("", "path of the export (default: RUN_DIR/vae.safetensors; a .pt path: torch's pickle)")
+    vae_path: str = flag(
+        "",
+        "start from these weights: an export of train_vae.py or LlamaGen's VQ checkpoint (vq_ds16_t2i.pt); the file "
+        "fixes the architecture (--image_size the side), the run a new optimizer",
+    )
 
 
 @dataclass

@@ -51,6 +51,7 @@ def scoring_clip(path: str, cfg, tokenizer, vae):
 
 def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, plan: RunPlan) -> str:
     """train_vae.py's run (a dVAE, or a VQGAN with --model vqgan); returns the export's path."""
+    start = _vae_start(run_cfg.vae_path, model_cfg, vq) if run_cfg.vae_path else None
     check_tokenizer_flags(model_cfg, run_cfg, vq)
     cfg = plan.cfg
     configs = {"model": model_cfg, "vae": run_cfg, "vqgan": vq, "train": cfg}
@@ -62,7 +63,7 @@ def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, pla
         plan = plan.counted(dataset)
         steps = plan.steps
         if vq.model == "vqgan":
-            task = vqgan_task(model_cfg, vq, steps, dataset, export_path, val, backend.device, run)
+            task = vqgan_task(model_cfg, vq, steps, dataset, export_path, val, backend.device, run, start)
         else:  # the temperature anneals over --anneal_steps, or over the whole run as the loop counts it
             temperature = (
                 run_cfg.starting_temp,
@@ -71,6 +72,10 @@ def fit_vae(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGANRunConfig, pla
                 run_cfg.temp_schedule,
             )
             task = VAETask(DiscreteVAE(model_cfg), dataset, export_path, temperature, val_dataset=val)
+            if start is not None:
+                task.model.load_state_dict(start["weights"])
+        if start is not None:
+            run.print(f"started from {run_cfg.vae_path} (weights only: a new optimizer and schedule)")
         pos = train(task, plan, backend, recovery, run)
         skipped = getattr(dataset, "num_skipped", 0)
         if skipped:
@@ -102,8 +107,37 @@ def check_tokenizer_flags(model_cfg: VAEConfig, run_cfg: VAERunConfig, vq: VQGAN
             raise ValueError(f"--{name} is read with --model vqgan: add it, or leave the flag out for the dVAE")
 
 
-def vqgan_task(model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, export_path, val, device, run):
-    """The VQGAN (the tokenizer flags it shares with the dVAE, and its own) with its discriminator, and LPIPS."""
+# what a tokenizer's file fixes when a run starts from it (train_vae.py --vae_path)
+_VAE_ARCHITECTURE = ("num_tokens", "num_layers", "num_resnet_blocks", "hidden_dim", "channels", "codebook_dim")
+
+
+def _vae_start(path: str, model_cfg: VAEConfig, vq: VQGANRunConfig) -> dict:
+    """The export train_vae.py --vae_path starts from (ours, or LlamaGen's VQ read at --image_size); the flags set
+    to the file's model: --model, and the dVAE's architecture, which a flag may not contradict."""
+    from ..inference.export import load_export
+
+    published = llamagen_kind(path) == "vq"  # LlamaGen's VQ tokenizes any side: the run's --image_size
+    start = load_export(path, "vae", image_size=model_cfg.image_size if published else 0)
+    config = dict(start["config"])
+    vq.model = "vqgan" if config.pop("model", "dvae") == "vqgan" else "dvae"
+    defaults = VAEConfig()
+    names = _VAE_ARCHITECTURE + (() if published else ("image_size",))
+    theirs = {k: config[k] for k in names if k in config}
+    fixed = [k for k, v in theirs.items() if getattr(model_cfg, k) not in (v, getattr(defaults, k))]
+    if fixed:
+        raise ValueError(f"--vae_path {path} fixes the architecture: drop --{', --'.join(fixed)}")
+    model_cfg.image_size = config["image_size"]
+    if vq.model == "dvae":
+        for key, value in config.items():
+            setattr(model_cfg, key, tuple(tuple(t) for t in value) if key == "normalization" else value)
+    return start
+
+
+def vqgan_task(
+    model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, export_path, val, device, run, start=None
+):
+    """The VQGAN (the tokenizer flags it shares with the dVAE, and its own) with its discriminator, and LPIPS;
+    `start`: the export whose tokenizer it starts from (its architecture, the run's losses)."""
     from ..models.vq_tokenizer import VQGANLoss, VQGANLossConfig, VQTokenizerConfig
     from .perceptual import lpips_vgg
     from .vae_task import VQGANTask
@@ -120,10 +154,17 @@ def vqgan_task(model_cfg: VAEConfig, vq: VQGANRunConfig, steps: int, dataset, ex
         num_resnet_blocks=model_cfg.num_resnet_blocks, l2_norm=vq.l2_norm_codes,
         commitment_weight=vq.commitment_weight, entropy_weight=vq.entropy_weight,
     )  # fmt: skip
+    if start is not None:
+        file_cfg = {k: v for k, v in start["config"].items() if k != "model"}
+        losses = {"commitment_weight": vq.commitment_weight, "entropy_weight": vq.entropy_weight}
+        tokenizer = VQTokenizerConfig(**{**file_cfg, **losses})
     loss = VQGANLossConfig(vq.perceptual_weight, vq.disc_weight, disc_start, vq.disc_hidden_dim, vq.disc_layers)
     perceptual = lpips_vgg(vq.perceptual_weights, device) if vq.perceptual_weight else None
     run.print(f"VQGAN: the discriminator's losses start at step {disc_start}")
-    return VQGANTask(VQGANLoss(tokenizer, loss), dataset, export_path, perceptual, val_dataset=val)
+    model = VQGANLoss(tokenizer, loss)
+    if start is not None:
+        model.tokenizer.load_state_dict(start["weights"])
+    return VQGANTask(model, dataset, export_path, perceptual, val_dataset=val)
 
 
 def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) -> str:
