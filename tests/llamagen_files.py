@@ -19,6 +19,8 @@ from dalle_pytorch.models.layers import swiglu_hidden
 VQ = {
     "small": dict(ch=32, ch_mult=[1, 1, 2], z_channels=32, code_dim=8, codes=64, image=16),
     "real": dict(ch=128, ch_mult=[1, 1, 2, 2, 4], z_channels=256, code_dim=8, codes=16384, image=32),
+    # for the launchers (tests/launchers/test_vqgan_ranks.py): 64 channels, as that test's docstring says why
+    "launcher": dict(ch=64, ch_mult=[1, 1], z_channels=64, code_dim=8, codes=16, image=16),
 }
 GPT = {
     "small": dict(dim=128, layers=2, caption_dim=32, caption_len=120, fmap=4),

@@ -6,8 +6,6 @@ itself. The launchers: tests/launchers/test_vqgan_ranks.py."""
 
 from __future__ import annotations
 
-import os
-
 import llamagen_files as files
 import pytest
 import torch
@@ -50,8 +48,8 @@ def test_llamagen_vq_tokenizes_for_dalle_and_starts_a_vqgan_run(published, vgg16
     assert list((tmp_path / "images" / "a_red_circle").glob("*.png"))
 
     start = train_vae.main(
-        ["--vae_path", published["vq"], "--image_size", side, "--perceptual_weights", vgg16, "--disc_start", "1", "--disc_layers", "1",
-         *RUN, "--output_dir", str(tmp_path / "vq")]
+        ["--vae_path", published["vq"], "--image_size", side, "--perceptual_weights", vgg16, "--disc_start", "1",
+         "--disc_layers", "1", *RUN, "--output_dir", str(tmp_path / "vq")]
     )  # fmt: skip
     tuned, _ = load_vae(start)
     assert tuned.cfg.ch_mult == files.VQ["small"]["ch_mult"] and tuned.cfg.lowest_attn
@@ -72,7 +70,7 @@ def test_llamagen_t2i_gpt_converts_samples_and_fine_tunes(published, tmp_path):
     assert dalle.cfg.llamagen_layout and dalle.cfg.text_seq_len == 120 and tokenizer.kind == "text_encoder"
     images = tmp_path / "images"
     generate.main(["--dalle_path", out, "--text", "a red circle", "--num_images", "2", "--cond_scale", "4",
-                   "--top_k", "10", "--top_p", "0.9", "--temperature", "1.0", "--outputs_dir", str(images)])  # fmt: skip
+                   "--top_k", "10", "--top_p", "0.9", "--temperature", "1", "--outputs_dir", str(images)])  # fmt: skip
     assert len(list((images / "a_red_circle").glob("0*.png"))) == 2
 
     tuned = train_dalle.main(
