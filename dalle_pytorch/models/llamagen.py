@@ -190,7 +190,7 @@ def gpt_config(weights: dict, image_fmap_size: int, what: str) -> DALLEConfig:
     return DALLEConfig(
         dim=int(dim), depth=depth, heads=heads, dim_head=dim_head, ff_mult=4, norm="rmsnorm", ff="swiglu",
         ff_multiple_of=256, kv_heads=0 if kv_heads == heads else int(kv_heads), text_seq_len=int(text_seq_len),
-        rotary_emb=True, null_cond_prob=0.1, num_text_tokens=0, num_image_tokens=int(vocab),
+        rotary_emb=True, num_text_tokens=0, num_image_tokens=int(vocab),
         image_fmap_size=image_fmap_size, text_feature_dim=int(feature_dim), llamagen_layout=True,
     )  # fmt: skip
 
