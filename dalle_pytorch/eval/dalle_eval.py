@@ -14,7 +14,7 @@ from ..data.shapes import ShapesDataset
 from ..inference.load import load_dalle
 from ..inference.pipeline import RerankConfig, SamplingConfig, best_of, candidate_images, load_reranker
 from .fidelity import settings
-from .on_data import score_sets
+from .on_data import describe_clip, score_sets
 from .parse import parse_image, score
 from .summary import VALIDATION_SEED, summarize
 
@@ -69,6 +69,7 @@ def evaluate_dalle(
     if clip:
         result["reranking"] = {"candidates": candidates, "keep": keep}
         result["clip_retrieval"] = clip_retrieval(clip, clip_tokenizer, vae.image_size)
+        result["clip"] = describe_clip(clip, rerank.clip_path)
     g = torch.Generator().manual_seed(seed)
     captions_per_batch = max(batch_size // per_caption, 1)
     for split, data_split in (("seen", "train"), ("heldout", "heldout")):

@@ -135,6 +135,13 @@ def clip_scores(clip, tokenizer, captions: list[str], images: torch.Tensor) -> t
     return clip_score(clip, text.to(images.device), images)
 
 
+def describe_clip(clip, path: str) -> dict:
+    """Which CLIP scored, for results.json: a published one by its open_clip name, ours by its export."""
+    if hasattr(clip, "describe"):
+        return clip.describe()
+    return {"kind": "train_clip.py", "path": os.path.abspath(path)}
+
+
 @torch.no_grad()
 def clip_score(clip, text: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
     """CLIP score of each image with its caption's token ids: 100 x max(cosine similarity, 0) of their embeddings,
@@ -201,6 +208,7 @@ def _dalle_on_data(cfg, sampling, rerank, fidelity, batch_size: int, ranks: Rank
         result.update(fidelity_metrics(folders.paths["generated"], folders.paths["reference"], fidelity, device.type))
         if clip is not None:
             result["clip_score"] = torch.cat(list(scores["generated"].values())).mean().item()
+            result["clip"] = describe_clip(clip, rerank.clip_path)
         if per_caption > 1:
             reranked = fidelity_metrics(
                 folders.paths["generated_reranked"], folders.paths["reference"], fidelity, device.type

@@ -34,7 +34,12 @@ def loaded_fit(dalle, vae, tokenizer) -> dict:
 
 def check_clip_fits(clip, clip_tokenizer, fit: dict, dalle_path: str, clip_path: str) -> None:
     """A CLIP ranks a DALLE's images only if it reads the same captions and images (`fit`: dalle_fit or
-    loaded_fit of the DALLE at `dalle_path`): refuse it otherwise."""
+    loaded_fit of the DALLE at `dalle_path`): refuse it otherwise. A published CLIP (open_clip) reads any caption
+    and resizes any RGB image."""
+    if getattr(clip, "pretrained", False):
+        if fit["channels"] != 3:
+            raise ValueError(f"--clip_path {clip_path} reads RGB images, {dalle_path} makes {fit['channels']} channels")
+        return
     if clip_tokenizer.to_dict() != fit["tokenizer"]:
         raise ValueError(
             f"--clip_path {clip_path} was trained with another text tokenizer than {dalle_path}: train it with "

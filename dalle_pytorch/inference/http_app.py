@@ -36,7 +36,9 @@ class ServeConfig:
     """serve.py's flags."""
 
     dalle_path: str = flag("", "the DALLE export to serve (train_dalle.py's dalle.safetensors; required)")
-    clip_path: str = flag("", "a CLIP export (train_clip.py) that scores the images, best first")
+    clip_path: str = flag(
+        "", "a CLIP that scores the images, best first: train_clip.py's export, or open_clip's (ViT-B-32:openai)"
+    )
     host: str = flag("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
     port: int = flag(8000, "port to listen on")
     max_batch: int = flag(16, "image rows sampled together at most (requests arriving together share them)")

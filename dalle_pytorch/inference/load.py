@@ -86,8 +86,12 @@ def read_dalle(
 
 def load_clip(path: str, device="cpu"):
     """(clip, tokenizer) from a CLIP export written by train_clip.py, in eval mode on `device` (its EMA where it
-    has one)."""
+    has one), or a published CLIP through open_clip (ViT-B-32:openai, hf-hub:..., MODEL:FILE: open_clip_models.py)."""
     from ..models.clip import CLIP, CLIPConfig
+    from .open_clip_models import is_open_clip_name, load_open_clip
+
+    if is_open_clip_name(path):
+        return load_open_clip(path, device)
 
     obj = load_export(path, "clip")
     clip = CLIP(CLIPConfig(**obj["config"]))

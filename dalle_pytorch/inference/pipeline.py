@@ -70,7 +70,9 @@ class SamplingConfig:
 class RerankConfig:
     """Which images CLIP keeps."""
 
-    clip_path: str = flag("", "a CLIP export (train_clip.py) that ranks the images")
+    clip_path: str = flag(
+        "", "a CLIP that ranks the images: an export of train_clip.py, or open_clip's (ViT-B-32:openai, hf-hub:NAME)"
+    )
     keep: int = flag(0, "with --clip_path: the best N images kept per caption (0: all, ranked)")
 
 

@@ -312,7 +312,8 @@ class DALLERunConfig(ImageTokenizerConfig, CaptionDataConfig, TextTokenizerConfi
     val_clip_path: str = flag(
         "",
         "--val_fid_every: also the CLIP score of the images for their validation captions, val_clip_score, by this "
-        "CLIP export (train_clip.py with this run's text tokenizer and image size)",
+        "CLIP: an export of train_clip.py with this run's text tokenizer and image size, or open_clip's "
+        "(ViT-B-32:openai, hf-hub:NAME, MODEL:FILE)",
     )
     val_heldout_captions: int = flag(
         16,

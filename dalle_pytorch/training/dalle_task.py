@@ -9,7 +9,7 @@ from torchvision.utils import save_image
 
 from ..data.shapes import ShapesDataset
 from ..data.tokenizer import Tokenizer
-from ..eval.on_data import clip_score
+from ..eval.on_data import clip_score, clip_scores
 from ..eval.parse import ATTRIBUTES, parse_image, score
 from ..inference.export import save_export
 from ..models.dalle import DALLE
@@ -131,6 +131,9 @@ class DALLETask:
             return {"val_clip_score": 0.0}
         device = next(self.vae.parameters()).device
         clip = self.clip.to(device)
+        if getattr(clip, "pretrained", False):  # a published CLIP reads the caption as the DALLE read it, in words
+            captions = [self.tokenizer.decode(self.val_dataset[i][1].tolist()) for i in indices]
+            return {"val_clip_score": clip_scores(clip, clip.tokenizer, captions, images.to(device)).sum().item()}
         text = torch.stack([self.val_dataset[i][1] for i in indices]).to(device)
         n = clip.cfg.text_seq_len  # the same tokenizer (checked), perhaps another caption length
         text = torch.nn.functional.pad(text, (0, max(n - text.shape[1], 0)))[:, :n]
