@@ -12,6 +12,7 @@ import os
 
 from ..compat.weights import is_predecessor, predecessor_export
 from ..files import atomic_save, safe_load
+from ..hub import resolve
 from ..models import llamagen
 
 EXPORT_FORMAT_VERSION = 1
@@ -92,7 +93,7 @@ def load_export(path: str, kind: str, predecessor: dict | None = None, say=print
     """The export at `path`, or a checkpoint of lucidrains' dalle-pytorch 1.6 or a LlamaGen VQ converted in memory;
     `predecessor`: the predecessor's flags that say how to read its DALLE (bpe_path, hug, chinese,
     vqgan_config_path); `image_size`: the side a LlamaGen VQ tokenizes (--pretrained_image_size; 0: 256)."""
-    obj = _read(path, kind)
+    obj = _read(resolve(path, f"--{kind}_path"), kind)
     llamagen_kind = llamagen.kind_of(llamagen.checkpoint_weights(obj)) if "format_version" not in obj else ""
     if llamagen_kind:
         return _llamagen_export(obj, llamagen_kind, path, kind, image_size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from ..files import is_safetensors
+from ..hub import resolve
 from ..models import llamagen
 from .export import EXPORT_FORMAT_VERSION, _read
 from .load import load_vae
@@ -21,6 +22,7 @@ from .load import load_vae
 def llamagen_kind(path: str) -> str:
     """ "t2i", "c2i", "vq" for LlamaGen's checkpoints, "" for anything else (our exports included). Reads the file's
     names only: a zip file's tensors stay on disk until used (mmap)."""
+    path = resolve(path) if path else path
     if not path or not os.path.isfile(path) or is_safetensors(path):  # ours, or LlamaGen's never
         return ""
     try:
@@ -51,7 +53,7 @@ def llamagen_dalle_export(
             f"{gpt_path} reads FLAN-T5-XL features: give the encoder with --text_encoder_path (a folder, or "
             "google/flan-t5-xl from the Hub)"
         )
-    weights = llamagen.checkpoint_weights(_read(gpt_path, "dalle"))
+    weights = llamagen.checkpoint_weights(_read(resolve(gpt_path), "dalle"))
     vae, vae_export = load_vae(vae_path, image_size=image_size)
     cfg = llamagen.gpt_config(weights, vae.fmap_size, gpt_path)
     if cfg.num_image_tokens != vae.num_tokens:

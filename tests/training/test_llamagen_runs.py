@@ -6,10 +6,14 @@ itself. The launchers: tests/launchers/test_vqgan_ranks.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import llamagen_files as files
 import pytest
 import torch
-from helpers import ONE_THREAD
+from helpers import ONE_THREAD, ROOT
+from test_hub import put_in_cache, run
 from text_encoders import tiny_t5
 
 import generate
@@ -86,3 +90,22 @@ def test_llamagen_t2i_gpt_converts_samples_and_fine_tunes(published, tmp_path):
     with pytest.raises(SystemExit) as e:  # the GPT file alone holds no tokenizer: one line saying to convert it
         generate.main(["--dalle_path", published["gpt"], "--text", "x", "--outputs_dir", str(images)])
     assert e.value.code == 2
+
+
+def test_llamagen_files_by_hub_name_offline(published, tmp_path):
+    """FoundationVision/LlamaGen/FILE from a Hugging Face cache with HF_HUB_OFFLINE=1, as on an offline machine
+    after `hf download FoundationVision/LlamaGen vq_ds16_t2i.pt t2i_XL_stage1_256.pt`."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    for name in ("vq", "gpt"):
+        shutil.copyfile(published[name], folder / os.path.basename(published[name]))
+    cache = str(tmp_path / "hf")
+    put_in_cache(cache, "FoundationVision/LlamaGen", str(folder))
+    env = {**os.environ, "HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    out = str(tmp_path / "llamagen.safetensors")
+    hub = "FoundationVision/LlamaGen/"
+    done = run(["-m", "dalle_pytorch.convert", "--from_llamagen", hub + os.path.basename(published["gpt"]),
+                "--vae_path", hub + os.path.basename(published["vq"]), "--pretrained_image_size", "16",
+                "--text_encoder_path", published["t5"], "--out", out], env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert load_dalle(out)[0].cfg.llamagen_layout
