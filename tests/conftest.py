@@ -45,9 +45,10 @@ SLOW_VARIANTS = {
     # test_launchers' (~23 s)
     "tests/launchers/test_vqgan_ranks.py::test_two_ranks_equal_one_process[fsdp]",
     # LlamaGen's VQ fine-tuned on 2 ranks (~27 s each): the VQTokenizer under ZeRO-3 is
-    # test_two_ranks_equal_one_process's zero3, LlamaGen's layout of it the e2e tests'; all three under make test-all
+    # test_two_ranks_equal_one_process's zero3, LlamaGen's layout of it the e2e tests'; all four under make test-all
     "tests/launchers/test_vqgan_ranks.py::test_llamagen_vq_fine_tunes_on_two_ranks_as_in_one_process[zero3]",
     "tests/launchers/test_vqgan_ranks.py::test_llamagen_vq_fine_tunes_on_two_ranks_as_in_one_process[ddp]",
+    "tests/launchers/test_vqgan_ranks.py::test_llamagen_vq_fine_tunes_on_two_ranks_as_in_one_process[fsdp]",
     "tests/launchers/test_vqgan_ranks.py::test_llamagen_vq_fine_tunes_on_two_ranks_as_in_one_process[horovod]",
 }
 

@@ -76,7 +76,7 @@ def _llamagen_export(obj, found: str, path: str, kind: str, image_size: int) -> 
         raise ValueError(
             f"{path} is LlamaGen's text-to-image GPT, which holds neither its image tokenizer nor its text encoder: "
             "convert it once with `python -m dalle_pytorch.convert --from_llamagen "
-            f"{path} --vae_path VQ.pt --text_encoder_path FLAN-T5-XL --out dalle.safetensors` (see docs/llamagen.md)"
+            f"{path} --vae_path VQ.pt --text_encoder_path google/flan-t5-xl --out dalle.safetensors` (docs/llamagen.md)"
         )
     raise ValueError(f"{path} is LlamaGen's text-to-image GPT, not a {kind}: pass it with --dalle_path")
 

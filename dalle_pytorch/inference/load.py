@@ -51,7 +51,13 @@ def load_dalle(
     to read a predecessor's checkpoint (load_export). `weights`: auto (the EMA where the run kept one), ema, raw.
     A DALLE that reads a frozen text encoder: its tokenizer comes bound to the encoder (`tokenizer.captions` gives
     features), loaded from the recorded path or `text_encoder_path` and checked against the recorded fingerprint."""
-    obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, predecessor)
+    from .published import llamagen_dalle_export, llamagen_kind
+
+    if llamagen_kind(path):  # LlamaGen's GPT file: its VQ and encoder where LlamaGen keeps them (published.py)
+        obj = llamagen_dalle_export(path, "", text_encoder_path, device=device)
+        vae = vae_from_export(obj["vae"])
+    else:
+        obj, vae = read_dalle(path, vqgan_model_path, openai_vae_path, predecessor)
     dalle = DALLE(DALLEConfig(**obj["config"]))
     dalle.load_state_dict(export_weights(obj, weights, path))
     if obj["tokenizer"]["kind"] == "text_encoder":

@@ -6,7 +6,9 @@ beside it: its VQ tokenizer (--vae_path vq_ds16_t2i.pt) and its text encoder (FL
 
 The export is ours in every way (generate.py, serve.py, the evaluation, `train_dalle.py --dalle_path` to fine-tune
 it, the Hub): the VQ's weights inside it, the encoder recorded with its fingerprint. train_dalle.py builds the same
-export in memory when --dalle_path names the GPT file itself (with --vae_path and --text_encoder_path)."""
+export in memory when --dalle_path names the GPT file itself, and so do generate.py, serve.py and the evaluation:
+without --vae_path the VQ is LlamaGen's vq_ds16_t2i.pt beside the GPT (in its folder, or its Hub repository), and
+without --text_encoder_path the encoder is google/flan-t5-xl, as LlamaGen's sample_t2i.py has them."""
 
 from __future__ import annotations
 
@@ -34,6 +36,19 @@ def llamagen_kind(path: str) -> str:
     )
 
 
+T2I_VQ = "vq_ds16_t2i.pt"  # LlamaGen's VQ for its T2I GPTs
+T2I_ENCODER = "google/flan-t5-xl"
+
+
+def companion_vq(gpt_path: str) -> str:
+    """LlamaGen's T2I VQ beside its GPT: in the GPT file's folder, or its Hub repository; "" if neither."""
+    if os.path.isfile(gpt_path):
+        beside = os.path.join(os.path.dirname(os.path.abspath(gpt_path)), T2I_VQ)
+        return beside if os.path.isfile(beside) else ""
+    parts = gpt_path.split("/")
+    return "/".join([*parts[:2], T2I_VQ]) if len(parts) >= 3 else ""
+
+
 def llamagen_dalle_export(
     gpt_path: str, vae_path: str, text_encoder_path: str, image_size: int = 0, device="cpu", say=print
 ) -> dict:
@@ -46,13 +61,13 @@ def llamagen_dalle_export(
     if kind != "t2i":
         what = {"c2i": "a class-conditional LlamaGen GPT", "vq": "LlamaGen's VQ tokenizer"}.get(kind, "not LlamaGen's")
         raise ValueError(f"{gpt_path} is {what}: pass LlamaGen's text-to-image GPT (t2i_XL_stage1_256.pt)")
+    vae_path = vae_path or companion_vq(gpt_path)
     if not vae_path:
-        raise ValueError(f"{gpt_path} is LlamaGen's GPT: give its VQ tokenizer with --vae_path (vq_ds16_t2i.pt)")
-    if not text_encoder_path:
         raise ValueError(
-            f"{gpt_path} reads FLAN-T5-XL features: give the encoder with --text_encoder_path (a folder, or "
-            "google/flan-t5-xl from the Hub)"
+            f"{gpt_path} is LlamaGen's GPT and no {T2I_VQ} lies beside it: give its VQ tokenizer with --vae_path, or "
+            "convert the pair once (python -m dalle_pytorch.convert --from_llamagen GPT --vae_path VQ ...)"
         )
+    text_encoder_path = text_encoder_path or T2I_ENCODER
     weights = llamagen.checkpoint_weights(_read(resolve(gpt_path), "dalle"))
     vae, vae_export = load_vae(vae_path, image_size=image_size)
     cfg = llamagen.gpt_config(weights, vae.fmap_size, gpt_path)

@@ -77,8 +77,13 @@ def started_args(out: str, batch: int, vgg16: str, vq: str, extra=()) -> list[st
 
 @pytest.mark.parametrize(
     "kind,extra",
-    [("deepspeed", ["--zero_stage", "3"]), ("torchrun", ["--distributed_backend", "ddp"]), ("horovod", [])],
-    ids=["zero3", "ddp", "horovod"],
+    [
+        ("deepspeed", ["--zero_stage", "3"]),
+        ("torchrun", ["--distributed_backend", "ddp"]),
+        ("torchrun-fsdp", ["--distributed_backend", "fsdp"]),
+        ("horovod", []),
+    ],
+    ids=["zero3", "ddp", "fsdp", "horovod"],
 )
 def test_llamagen_vq_fine_tunes_on_two_ranks_as_in_one_process(kind, extra, llamagen_vq, vgg16, tmp_path):
     """train_vae.py --vae_path LlamaGen's VQ: 2 ranks equal 1 process, both started from the file's weights.

@@ -1,8 +1,8 @@
 """docs/llamagen.md's commands, run as written at tiny sizes: LlamaGen's files (tests/llamagen_files.py, small) and a
 tiny T5 put into a Hugging Face cache under the names the doc downloads (FoundationVision/LlamaGen,
 google/flan-t5-xl), HF_HUB_OFFLINE=1, and only sizes substituted (8 GPUs -> 2 ranks, 20000 steps -> 2, 256 px -> 16,
-ViT-L-14's weights -> a random ViT-B-32's file, Inception's and VGG-16's -> random ones). `hf download` is what the cache
-stands for; the push, offline, must say so in one line and leave the folder, which then loads by name."""
+ViT-L-14's weights -> a random ViT-B-32's file, Inception's and VGG-16's -> random ones). `hf download` is what the
+cache stands for; the push, offline, must say so in one line and leave the folder, which then loads by name."""
 
 from __future__ import annotations
 

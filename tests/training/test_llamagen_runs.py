@@ -87,9 +87,16 @@ def test_llamagen_t2i_gpt_converts_samples_and_fine_tunes(published, tmp_path):
     assert 0 < moved < 0.2, f"2 steps moved a weight by {moved:.2f} of its norm: not started from the GPT"
     generate.main(["--dalle_path", tuned, "--text", "a blue square", "--num_images", "1",
                    "--outputs_dir", str(images)])  # fmt: skip
-    with pytest.raises(SystemExit) as e:  # the GPT file alone holds no tokenizer: one line saying to convert it
+    with pytest.raises(SystemExit) as e:  # no vq_ds16_t2i.pt beside the GPT file: one line saying what to give
         generate.main(["--dalle_path", published["gpt"], "--text", "x", "--outputs_dir", str(images)])
     assert e.value.code == 2
+    beside = tmp_path / "beside"  # as LlamaGen's folder (or Hub repository) holds them: the GPT finds its VQ
+    beside.mkdir()
+    shutil.copyfile(published["gpt"], beside / "t2i_XL_stage1_256.pt")
+    shutil.copyfile(published["vq"], beside / "vq_ds16_t2i.pt")
+    dalle, vae, tokenizer = load_dalle(str(beside / "t2i_XL_stage1_256.pt"), text_encoder_path=published["t5"])
+    assert dalle.cfg.llamagen_layout and vae.image_size == 256 and dalle.cfg.image_fmap_size == 64  # stage 1's side
+    assert tokenizer.path == published["t5"]
 
 
 def test_llamagen_files_by_hub_name_offline(published, tmp_path):
