@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import torch
 
@@ -127,3 +128,46 @@ def fingerprint(config: dict, weights: dict[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(weights[name].detach().float().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------ the Hub's names
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(/[^\s]+)?$")
+MODEL_FILE = "model.safetensors"  # what `python -m dalle_pytorch.hub` writes and `user/name` reads (hub.py)
+
+
+def resolve(path: str, flag: str = "--dalle_path") -> str:
+    """`path` itself where it exists here (or is not a Hub name); else the cached file of the Hub name: `user/name`
+    (its model.safetensors) or `user/name/FILE`. One line when the Hub has no such file or cannot be reached."""
+    if not path or os.path.exists(path) or not _HUB_NAME.match(path) or "://" in path:
+        return path
+    if os.path.isdir(path.split("/")[0]):  # runs/dalle.pt with runs/ here: a local path that is missing
+        return path
+    owner, name, *rest = path.split("/")
+    repo, filename = f"{owner}/{name}", "/".join(rest) or MODEL_FILE
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise FileNotFoundError(f"{flag} {path} does not exist here (a Hub name needs huggingface_hub)") from None
+    try:
+        return hf_hub_download(repo, filename)
+    except Exception as e:  # offline and not cached, no such repository or file, no network, no access
+        raise FileNotFoundError(f"{flag} {path} is not a file here, and {why(e, repo, filename)}") from None
+
+
+def why(e: Exception, repo: str, filename: str) -> str:
+    """The Hub's failure in a clause that says what to do."""
+    from huggingface_hub import constants
+
+    kind = type(e).__name__
+    if constants.HF_HUB_OFFLINE:
+        return (
+            f"{repo}'s {filename} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) with HF_HUB_OFFLINE set: "
+            f"download it once where the Hub is reachable (`hf download {repo} {filename}`), or pass a local path"
+        )
+    if kind in ("RepositoryNotFoundError", "GatedRepoError"):
+        return f"the Hub has no repository {repo} you may read (log in with `hf auth login` for a private one)"
+    if kind in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+        return f"the Hub's {repo} has no {filename}"
+    first = (str(e).strip().splitlines() or [kind])[0][:160]
+    return f"the Hub could not be reached for {repo} ({kind}: {first}): pass a local path, or retry with a network"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.sampling import generate_image_tokens
+from ..models.sampling import SJD_WINDOW, generate_image_tokens
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Settings:
     top_k: int = 0
     top_p: float = 1.0
     cond_scale: float = 1.0
+    decoding: str = "sequential"
+    window: int = SJD_WINDOW
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Batcher:
             s = jobs[0].settings
             tokens = generate_image_tokens(
                 self.dalle, text, generator=generators, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                cond_scale=s.cond_scale,
+                cond_scale=s.cond_scale, decoding=s.decoding, window=s.window,
             )  # fmt: skip
             images = torch.cat([self.vae.decode(tokens[i : i + 1]) for i in range(len(tokens))]).cpu()
         except Exception as e:  # every request of the batch hears of it; the service goes on

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 
 from ..compat.weights import is_predecessor, predecessor_export
-from ..files import atomic_save, safe_load
-from ..hub import resolve
+from ..files import atomic_save, resolve, safe_load
 from ..models import llamagen
 
 EXPORT_FORMAT_VERSION = 1

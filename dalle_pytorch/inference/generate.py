@@ -150,7 +150,8 @@ def generate(cfg: GenerateConfig, sampling: SamplingConfig, rerank: RerankConfig
             print(f"warning: prompt truncated to {dcfg.text_seq_len} tokens: {prompt!r}")
         if cfg.gentxt:  # the predecessor's threshold counts text and image logits; at most the text vocabulary
             text_options = sampling.token_options(dalle, dcfg.num_text_tokens, say=lambda _: None)
-            text_options.pop("cond_scale")
+            for image_only in ("cond_scale", "decoding", "window"):
+                text_options.pop(image_only)
             text = generate_text_tokens(dalle, text.to(device), generator=g, **text_options).cpu()
             prompt = tokenizer.decode([i for i in text[0].tolist() if i]) or prompt
             print(f"caption: {prompt}")

@@ -23,6 +23,7 @@ import torch
 
 from ..compat.flags import top_k_arg
 from ..config import flag
+from ..models.sampling import DECODINGS, SJD_WINDOW
 from .batcher import Batcher, Settings
 from .export import WEIGHTS
 from .pipeline import SamplingConfig, best_of
@@ -51,6 +52,12 @@ class ServeConfig:
     text_encoder_path: str = flag(
         "", "where the DALLE's frozen text encoder lives on this machine (default: where it was trained)"
     )
+    decoding: str = flag(
+        "sequential",
+        "sequential, or sjd: speculative Jacobi decoding (the same images, fewer passes)",
+        choices=DECODINGS,
+    )
+    sjd_window: int = flag(SJD_WINDOW, "--decoding sjd: draft tokens per pass")
     device: str = flag("", "cpu, cuda, cuda:1 ... (empty: cuda when available)")
     debug: bool = flag(False, "show tracebacks for user errors")
 
@@ -103,7 +110,7 @@ class Request:
                 temperature=_number(body, "temperature", 1.0, float),
                 top_k=top_k_arg(str(_number(body, "top_k", 0, float))),
                 top_p=_number(body, "top_p", 1.0, float), cond_scale=_number(body, "cond_scale", 1.0, float),
-                weights=cfg.weights,
+                weights=cfg.weights, decoding=cfg.decoding, sjd_window=cfg.sjd_window,
             )  # fmt: skip
         except ValueError as e:
             raise BadRequest(str(e).replace("--", "")) from None
@@ -121,6 +128,8 @@ class Request:
         argv += ["--top_p", f"{s.top_p:g}", "--cond_scale", f"{s.cond_scale:g}"]
         if weights != "auto":
             argv += ["--weights", weights]
+        if s.decoding != "sequential":
+            argv += ["--decoding", s.decoding, "--sjd_window", str(s.sjd_window)]
         return shlex.join(argv)
 
 

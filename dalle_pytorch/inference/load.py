@@ -10,6 +10,7 @@ from ..models.dalle import DALLE, DALLEConfig
 from ..models.vae import DiscreteVAE, VAEConfig
 from ..models.vq_tokenizer import VQTokenizer, VQTokenizerConfig
 from .export import export_weights, load_export
+from .published import llamagen_dalle_export, llamagen_kind
 
 
 def pick_device(name: str = "") -> torch.device:
@@ -51,8 +52,6 @@ def load_dalle(
     to read a predecessor's checkpoint (load_export). `weights`: auto (the EMA where the run kept one), ema, raw.
     A DALLE that reads a frozen text encoder: its tokenizer comes bound to the encoder (`tokenizer.captions` gives
     features), loaded from the recorded path or `text_encoder_path` and checked against the recorded fingerprint."""
-    from .published import llamagen_dalle_export, llamagen_kind
-
     if llamagen_kind(path):  # LlamaGen's GPT file: its VQ and encoder where LlamaGen keeps them (published.py)
         obj = llamagen_dalle_export(path, "", text_encoder_path, device=device)
         vae = vae_from_export(obj["vae"])

@@ -15,7 +15,7 @@ import torch
 from ..compat.flags import top_k_arg, top_k_count
 from ..config import flag
 from ..models.clip import rank_by_clip
-from ..models.sampling import generate_image_tokens
+from ..models.sampling import DECODINGS, SJD_WINDOW, generate_image_tokens
 from .export import WEIGHTS
 from .fits import check_clip_fits, loaded_fit
 from .load import load_clip
@@ -44,12 +44,21 @@ class SamplingConfig:
         "where the DALLE's frozen text encoder (--text_encoder) lives on this machine, a folder or a Hugging Face "
         "name (default: where it was trained; another encoder than that one is refused)",
     )
+    decoding: str = flag(
+        "sequential",
+        "sequential (one token per pass) or sjd: speculative Jacobi decoding, several tokens per pass from the same "
+        "distribution (models/sjd.py)",
+        choices=DECODINGS,
+    )
+    sjd_window: int = flag(SJD_WINDOW, "--decoding sjd: draft tokens per pass")
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError(f"--temperature must be at least 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top_p must be in (0, 1] (got {self.top_p})")
+        if self.sjd_window < 1:
+            raise ValueError(f"--sjd_window must be at least 1 (got {self.sjd_window})")
 
     def token_options(self, dalle, vocabulary: int | None = None, say=print) -> dict:
         """generate_image_tokens' keywords for `dalle`: --top_k as a count of the `vocabulary` being sampled
@@ -63,7 +72,8 @@ class SamplingConfig:
                 "learned to sample without its caption, so guidance pushes from an unconditioned mode it does not "
                 "have; train with --null_cond_prob 0.1 (or sample with --cond_scale 1)"
             )
-        return {"temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "cond_scale": self.cond_scale}
+        options = {"temperature": self.temperature, "top_k": top_k, "top_p": self.top_p, "cond_scale": self.cond_scale}
+        return {**options, "decoding": self.decoding, "window": self.sjd_window}
 
 
 @dataclass

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import os
 
-from ..files import is_safetensors
-from ..hub import resolve
+from ..files import is_safetensors, resolve
 from ..models import llamagen
-from .export import EXPORT_FORMAT_VERSION, _read
-from .load import load_vae
+from .export import EXPORT_FORMAT_VERSION, _read, load_export
 
 
 def llamagen_kind(path: str) -> str:
@@ -69,11 +67,13 @@ def llamagen_dalle_export(
         )
     text_encoder_path = text_encoder_path or T2I_ENCODER
     weights = llamagen.checkpoint_weights(_read(resolve(gpt_path), "dalle"))
-    vae, vae_export = load_vae(vae_path, image_size=image_size)
-    cfg = llamagen.gpt_config(weights, vae.fmap_size, gpt_path)
-    if cfg.num_image_tokens != vae.num_tokens:
+    vae_export = load_export(vae_path, "vae", image_size=image_size)
+    vq = vae_export["config"]  # our VQTokenizer's (or a dVAE's): the image side, the downsamplings, the codes
+    fmap = vq["image_size"] >> vq["num_layers"]
+    cfg = llamagen.gpt_config(weights, fmap, gpt_path)
+    if cfg.num_image_tokens != vq["num_tokens"]:
         raise ValueError(
-            f"{gpt_path} predicts {cfg.num_image_tokens} image codes, --vae_path {vae_path} has {vae.num_tokens}: "
+            f"{gpt_path} predicts {cfg.num_image_tokens} image codes, --vae_path {vae_path} has {vq['num_tokens']}: "
             "pass the VQ it was trained with (vq_ds16_t2i.pt)"
         )
     tokenizer = EncoderTokenizer("t5", text_encoder_path)
@@ -85,7 +85,7 @@ def llamagen_dalle_export(
         )
     say(
         f"{gpt_path}: LlamaGen's T2I GPT ({cfg.dim} wide, {cfg.depth} layers, {cfg.heads} heads), "
-        f"{vae.fmap_size}x{vae.fmap_size} codes of {vae_path}, captions through {text_encoder_path}"
+        f"{fmap}x{fmap} codes of {vae_path}, captions through {text_encoder_path}"
     )
     return {
         "format_version": EXPORT_FORMAT_VERSION,

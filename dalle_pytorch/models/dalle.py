@@ -320,10 +320,11 @@ class DALLE(nn.Module):
         return loss, metrics
 
     # ------------------------------------------------------------------------------------------ decoding
-    def new_cache(self, batch: int, device, dtype=torch.float32) -> KVCache:
+    def new_cache(self, batch: int, device, dtype=torch.float32, extra: int = 0) -> KVCache:
+        """`extra` spare positions past the sequence: where a speculative window's overhang writes (window_step)."""
         c = self.cfg
         kv = c.kv_heads or c.heads
-        return KVCache(batch, c.seq_len, c.depth, kv, c.dim_head, c.dim, device, dtype, c.shift_tokens)
+        return KVCache(batch, c.seq_len + extra, c.depth, kv, c.dim_head, c.dim, device, dtype, c.shift_tokens)
 
     def prefill(
         self,
@@ -347,3 +348,18 @@ class DALLE(nn.Module):
         idx = (pos - self.cfg.prefix_len).view(1)  # the token's index in the image
         h = self._final(self.transformer.decode(self._embed_image(token[:, None], idx), pos, cache))
         return self.image_head(h[:, -1]).float()
+
+    def window_step(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Image tokens (b, w), row r's at image indices start[r] .. start[r] + w - 1 (each row its own, after
+        prefill and earlier windows filled the cache before them) -> logits (b, w, num_image_tokens): at column j,
+        those of image token start[r] + j + 1. Indices past the image write into the cache's spare rows
+        (new_cache's `extra`) and their logits mean nothing. Speculative decoding's pass (models/sjd.py)."""
+        if self.cfg.shift_tokens:
+            raise ValueError(
+                "--decoding sjd does not support --shift_tokens models (the shift reads one position's "
+                "neighbours): use --decoding sequential"
+            )
+        idx = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # (b, w)
+        x = self._embed_image(tokens, idx.clamp(max=self.cfg.image_seq_len - 1))
+        h = self._final(self.transformer.window(x, self.cfg.prefix_len + idx, cache))
+        return self.image_head(h).float()

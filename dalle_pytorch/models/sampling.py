@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .filtering import filter_logits
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Logits with -inf outside the top-k set and outside the smallest set whose probability reaches top_p."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-        drop_sorted = before >= top_p  # keeps the first token always
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+DECODINGS = ("sequential", "sjd")
+SJD_WINDOW = 16  # speculative Jacobi decoding's drafts per pass (bench/sample.py)
 
 
 def pick_token(logits, noise, temperature: float, top_k: int, top_p: float, cond_scale: float) -> torch.Tensor:
@@ -54,6 +44,8 @@ def generate_image_tokens(
     use_cache: bool = True,
     compile: bool | str = False,
     on_token=None,
+    decoding: str = "sequential",
+    window: int = SJD_WINDOW,
 ) -> torch.Tensor:
     """(b, text_seq_len) caption ids, or (b, text_seq_len, F) caption features for a DALLE that reads captions
     through a frozen encoder -> (b, image_seq_len) image token ids. use_cache=False recomputes the
@@ -61,7 +53,24 @@ def generate_image_tokens(
     pick) through torch.compile, one graph for every position, compiled once per model, batch and settings;
     compile="reduce-overhead" replays that graph as a CUDA graph (on a GPU: no per-kernel launch cost).
     generator: one for the batch, or one per row (a list of b): then each row's draws are its own, so a row gives
-    the same tokens alone (with its generator) as batched with others (a service batching requests)."""
+    the same tokens alone (with its generator) as batched with others (a service batching requests).
+    decoding: "sequential", or "sjd": speculative Jacobi decoding with `window` drafts (models/sjd.py), the same
+    distribution in fewer passes."""
+    if decoding not in DECODINGS:
+        raise ValueError(f"--decoding must be one of {', '.join(DECODINGS)} (got {decoding!r})")
+    if decoding == "sjd":
+        if compile or not use_cache:
+            raise ValueError("--decoding sjd runs eager with the KV cache: drop --compile / --no_cache")
+        from .sjd import generate_sjd
+
+        def progress(k):
+            for _ in range(k):
+                on_token()
+
+        return generate_sjd(
+            model, text, window=window, temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
+            prime=prime, generator=generator, on_tokens=None if on_token is None else progress,
+        )  # fmt: skip
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True (drop --no_cache)")
     cfg = model.cfg

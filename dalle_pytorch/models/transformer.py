@@ -94,10 +94,11 @@ def llamagen_rotary(caption_len: int, fmap: int, dim_head: int, theta: float = 1
     return torch.cat([torch.zeros(caption_len, half, 2), table[: fmap * fmap - 1]])
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2*angles.shape[-1] features of x (b, h, n, d) by `angles` (n, r); or, with LlamaGen's
-    table (n, d // 2, 2) of cos and sin, every adjacent pair of features, in float32 as LlamaGen does."""
-    if angles.dim() == 3:
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """Rotate the first 2*angles.shape[-1] features of x (b, h, n, d) by `angles` (n, r); or (`pairs`), with
+    LlamaGen's table (n, d // 2, 2) of cos and sin, every adjacent pair of features, in float32 as LlamaGen does.
+    `angles` may carry leading dims that broadcast against x's (b, h)."""
+    if pairs:
         pairs = x.float().unflatten(-1, (-1, 2))
         cos, sin = angles[..., 0], angles[..., 1]
         x0, x1 = pairs[..., 0], pairs[..., 1]
@@ -184,6 +185,7 @@ class Attention(nn.Module):
         causal_only: bool,
         kv_heads: int = 0,
         norm: str = "layernorm",
+        pairs: bool = False,
     ):
         """`kv_heads` < `heads`: grouped-query attention (Ainslie et al. 2023), each key/value head serving
         heads // kv_heads query heads; 0 means one per query head. With kv_heads == heads the projection's
@@ -192,6 +194,7 @@ class Attention(nn.Module):
         self.heads, self.dim_head = heads, dim_head
         self.kv_heads = kv_heads or heads
         self.causal_only = causal_only  # the mask is plain causal: SDPA's fused is_causal path serves it
+        self.pairs = pairs  # LlamaGen's rotary table (llamagen_rotary) rather than rotary_angles
         self.to_qkv = nn.Linear(dim, (heads + 2 * self.kv_heads) * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.dropout = dropout
@@ -205,7 +208,7 @@ class Attention(nn.Module):
         k, v = (rearrange(t, "b m (h d) -> b h m d", d=d) for t in (k, v))  # (b, kv_heads, m, d)
         q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
-            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+            q, k = apply_rotary(q, angles, self.pairs), apply_rotary(k, angles, self.pairs)
         return q, k, v
 
     def _grouped(self, t: torch.Tensor) -> torch.Tensor:
@@ -253,6 +256,17 @@ class Attention(nn.Module):
             row = row & keys[:, None, None, :]
         return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=row, enable_gqa=gqa))
 
+    def window(self, x, rows, angles, cache: LayerCache, pos: torch.Tensor):
+        """Positions `pos` (b, w) of x (b, w, dim), each row its own (speculative decoding: rows accept different
+        lengths): their keys and values written there, attention over the whole static buffer with `rows`
+        (b, 1, w, n_max) as the mask. `angles`: the rotary entries of `pos`, (b, 1, w, ...), or None."""
+        q, k, v = self._qkv(x, angles)
+        at = pos[:, None, :, None]
+        cache.k.scatter_(2, at.expand(-1, k.shape[1], -1, k.shape[-1]), k)
+        cache.v.scatter_(2, at.expand(-1, v.shape[1], -1, v.shape[-1]), v)
+        gqa = self.kv_heads != self.heads
+        return self._out(F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=rows, enable_gqa=gqa))
+
 
 class Block(nn.Module):
     def __init__(self, cfg, attn_type: str, layer_index: int, attn: Attention | None = None, ff=None):
@@ -263,7 +277,15 @@ class Block(nn.Module):
         self.norm1, self.norm2 = norm_layer(cfg.norm, dim), norm_layer(cfg.norm, dim)
         full = attn_type == "full"
         self.attn = attn or Attention(
-            dim, cfg.heads, cfg.dim_head, cfg.attn_dropout, cfg.qk_norm, full, cfg.kv_heads, cfg.norm
+            dim,
+            cfg.heads,
+            cfg.dim_head,
+            cfg.attn_dropout,
+            cfg.qk_norm,
+            full,
+            cfg.kv_heads,
+            cfg.norm,
+            cfg.llamagen_layout,
         )
         self.ff = ff or feed_forward(cfg)
         # sandwich norm (CogView): normalize each branch's output too
@@ -286,6 +308,10 @@ class Block(nn.Module):
         """The one position `pos` (0-dim tensor) of x (b, 1, dim), reading and extending the cache."""
         attend = lambda h: self.attn.decode(h, mask, angles, cache, pos, layout, keys)  # noqa: E731
         return self._residuals(x, pos.view(1), cache, attend)
+
+    def window(self, x, rows, angles, cache: LayerCache, pos: torch.Tensor):
+        """Positions `pos` (b, w), per row, of x (b, w, dim) (Attention.window); no token shift."""
+        return self._residuals(x, None, None, lambda h: self.attn.window(h, rows, angles, cache, pos))
 
     def _residuals(self, x, pos, cache: LayerCache | None, attend):
         h = self.post1(attend(self._shifted(self.norm1(x), pos, None if cache is None else cache.attn_in)))
@@ -377,6 +403,23 @@ class Transformer(nn.Module):
                 x = checkpoint(layer, x, mask, self.angles, None, layout, use_reentrant=False)
             else:
                 x = layer(x, mask, self.angles, None if cache is None else cache.layers[i], layout)
+        return x
+
+    def window(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x (b, w, dim) at positions `pos` (b, w), each row its own, -> (b, w, dim), attending over the cache and
+        writing these positions' keys and values into it (speculative decoding, models/sjd.py). Positions past the
+        sequence land in the cache's spare rows (KVCache extra) and their outputs mean nothing. The pattern's mask
+        rows apply densely (no sparse kernel); token shift is not supported (it reads one position's neighbours)."""
+        n = self._mask(self.layers[0]).shape[0]
+        n_max = cache.layers[0].k.shape[2]
+        inside = pos.clamp(max=n - 1)
+        angles = None if self.angles is None else self.angles[inside][:, None]  # (b, 1, w, ...)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            rows = self._mask(layer)[inside]  # (b, w, n): what each row's position may read
+            rows = F.pad(rows, (0, n_max - n))  # the spare rows are never read
+            if cache.keys is not None:
+                rows = rows & cache.keys[:, None, :]
+            x = layer.window(x, rows[:, None], angles, layer_cache, pos)
         return x
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:

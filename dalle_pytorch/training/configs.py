@@ -15,6 +15,7 @@ from ..data.build import TextTokenizerConfig
 from ..data.storage import RETRIES
 from ..data.wds import SHUFFLE_BLOCK, StreamOptions
 from ..inference.image_tokenizers import ImageTokenizerConfig
+from ..models.sampling import DECODINGS, SJD_WINDOW
 from .ema import check_decay
 from .trackers.mlflow_run import DEFAULT_URI as DEFAULT_MLFLOW_URI
 
@@ -315,6 +316,12 @@ class DALLERunConfig(ImageTokenizerConfig, CaptionDataConfig, TextTokenizerConfi
         "CLIP: an export of train_clip.py with this run's text tokenizer and image size, or open_clip's "
         "(ViT-B-32:openai, hf-hub:NAME, MODEL:FILE)",
     )
+    decoding: str = flag(
+        "sequential",
+        "--val_fid_every's images: sequential, or sjd (speculative Jacobi decoding, fewer passes)",
+        choices=DECODINGS,
+    )
+    sjd_window: int = flag(SJD_WINDOW, "--decoding sjd: draft tokens per pass")
     val_heldout_captions: int = flag(
         16,
         "built-in data: each validation (--val_every) also generates images for N captions of colour-shape pairs "

@@ -35,12 +35,15 @@ class DALLETask:
         heldout: ShapesDataset | None = None,
         clip=None,
         text_encoder=None,
+        decoding: dict | None = None,
     ):
         """`dataset` yields (image, caption ids) (data.tokenized) or (image token ids, caption ids) precomputed;
         `heldout`: built-in scenes of colour-shape pairs never trained on, generated and parsed at validation;
         `clip`: a CLIP with this run's tokenizer that scores --val_fid_every's images (--val_clip_path);
-        `text_encoder`: the frozen encoder (inference/text_encoders.py) whose features the DALLE reads."""
+        `text_encoder`: the frozen encoder (inference/text_encoders.py) whose features the DALLE reads;
+        `decoding`: generate_image_tokens' decoding and window for --val_fid_every's images."""
         self.model = dalle
+        self.decoding = decoding or {}
         self.vae = vae  # frozen, fp32, outside the optimizer and the backend's wrapping
         self.vae_export = vae_export
         self.tokenizer = tokenizer
@@ -119,7 +122,7 @@ class DALLETask:
             text = torch.stack([self.val_dataset[i][1] for i in indices])
             device = next(model.parameters()).device
             g = torch.Generator(device).manual_seed(seed)
-            tokens = generate_image_tokens(model, self.captions(text, device), generator=g)
+            tokens = generate_image_tokens(model, self.captions(text, device), generator=g, **self.decoding)
         return self.vae.decode(tokens).float().clamp(0, 1).cpu()
 
     @torch.no_grad()

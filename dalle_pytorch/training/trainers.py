@@ -256,7 +256,7 @@ def fit_dalle(model_cfg: DALLEConfig, run_cfg: DALLERunConfig, plan: RunPlan) ->
         task = DALLETask(
             dalle, vae, vae_export, tokenizer, dataset, export_path, run_cfg.sample_captions, cfg.seed,
             val_dataset=val, heldout=heldout, clip=scoring_clip(run_cfg.val_clip_path, cfg, tokenizer, vae),
-            text_encoder=encoder,
+            text_encoder=encoder, decoding={"decoding": run_cfg.decoding, "window": run_cfg.sjd_window},
         )  # fmt: skip
         pos = train(task, plan.counted(task.dataset), backend, recovery, run)
         skipped = getattr(pairs, "num_skipped", 0)

