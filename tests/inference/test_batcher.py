@@ -4,6 +4,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from dalle_pytorch.inference.batcher import Batcher, Settings
@@ -33,11 +34,14 @@ def alone(dalle, vae, text, seed, settings=Settings()):
     return vae.decode(tokens)
 
 
-def test_requests_arriving_together_share_a_batch_and_draw_what_they_draw_alone():
+@pytest.mark.parametrize("settings", [Settings(), Settings(cond_scale=2.0, decoding="sjd", window=5)],
+                         ids=["sequential", "sjd"])  # fmt: skip
+def test_requests_arriving_together_share_a_batch_and_draw_what_they_draw_alone(settings):
+    """With --decoding sjd too: each row at its own positions, its own noise, as generate.py draws it."""
     dalle, vae = models()
     batcher = Batcher(dalle, vae, max_batch=16, max_wait=0.5)
     try:
-        futures = [batcher.submit(caption(i), [10 * i, 10 * i + 1]) for i in range(4)]
+        futures = [batcher.submit(caption(i), [10 * i, 10 * i + 1], settings) for i in range(4)]
         images = [f.result(timeout=60) for f in futures]
     finally:
         batcher.close()
@@ -45,7 +49,7 @@ def test_requests_arriving_together_share_a_batch_and_draw_what_they_draw_alone(
     for i, got in enumerate(images):
         assert got.shape == (2, 3, 16, 16)
         for j, seed in enumerate([10 * i, 10 * i + 1]):
-            assert torch.equal(got[j : j + 1], alone(dalle, vae, caption(i), seed)), (i, j)
+            assert torch.equal(got[j : j + 1], alone(dalle, vae, caption(i), seed, settings)), (i, j)
 
 
 def test_other_settings_wait_for_their_round_and_max_batch_holds():
