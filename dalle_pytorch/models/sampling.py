@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .filtering import filter_logits
+from .filtering import Noise, filter_logits
 
 DECODINGS = ("sequential", "sjd")
 SJD_WINDOW = 16  # speculative Jacobi decoding's drafts per pass (bench/sample.py)
@@ -93,16 +93,10 @@ def generate_image_tokens(
         logits = _next_logits_uncached(model, rows, image, null)
     vocab = logits.shape[-1]
 
-    per_row = isinstance(generator, (list, tuple))
-    if per_row and len(generator) != b:
-        raise ValueError(f"{len(generator)} generators for {b} caption rows: give one per row, or one for all")
+    draw = Noise(generator, b, text.device)
 
     def noise():  # drawn here, in the same order with or without compile, so a seed gives the same images
-        if temperature == 0:
-            return torch.zeros((), device=text.device)
-        if per_row:  # row i's values are those of torch.rand((1, vocab), generator=generator[i])
-            return torch.stack([torch.rand(vocab, device=text.device, generator=g) for g in generator])
-        return torch.rand((b, vocab), device=text.device, generator=generator)
+        return torch.zeros((), device=text.device) if temperature == 0 else draw(vocab)
 
     new = pick_token(logits, noise(), *settings)
     for k in range(k0, cfg.image_seq_len):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .filtering import filter_logits
+from .filtering import Noise, filter_logits
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, cond_scale: float):
@@ -50,19 +50,6 @@ def correction(p: torch.Tensor, q: torch.Tensor, rejected: torch.Tensor) -> torc
     residual = torch.where(rejected[:, None], (p - q).clamp_min(0), p)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q: a draft is never rejected
     return residual / residual.sum(-1, keepdim=True)
-
-
-class Noise:
-    """Uniform noise per row: from one generator for the batch, or from each row's own (a list)."""
-
-    def __init__(self, generator, rows: int, device):
-        self.generator, self.rows, self.device = generator, rows, device
-        self.per_row = isinstance(generator, (list, tuple))
-
-    def __call__(self, *shape: int) -> torch.Tensor:
-        if self.per_row:
-            return torch.stack([torch.rand(shape, device=self.device, generator=g) for g in self.generator])
-        return torch.rand((self.rows, *shape), device=self.device, generator=self.generator)
 
 
 @torch.no_grad()

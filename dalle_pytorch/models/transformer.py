@@ -414,12 +414,15 @@ class Transformer(nn.Module):
         n_max = cache.layers[0].k.shape[2]
         inside = pos.clamp(max=n - 1)
         angles = None if self.angles is None else self.angles[inside][:, None]  # (b, 1, w, ...)
+        masks = {}  # each pattern's rows, gathered once for its layers
         for layer, layer_cache in zip(self.layers, cache.layers):
-            rows = self._mask(layer)[inside]  # (b, w, n): what each row's position may read
-            rows = F.pad(rows, (0, n_max - n))  # the spare rows are never read
-            if cache.keys is not None:
-                rows = rows & cache.keys[:, None, :]
-            x = layer.window(x, rows[:, None], angles, layer_cache, pos)
+            if layer.attn_type not in masks:
+                rows = self._mask(layer)[inside]  # (b, w, n): what each row's position may read
+                rows = F.pad(rows, (0, n_max - n))  # the spare rows are never read
+                if cache.keys is not None:
+                    rows = rows & cache.keys[:, None, :]
+                masks[layer.attn_type] = rows[:, None]
+            x = layer.window(x, masks[layer.attn_type], angles, layer_cache, pos)
         return x
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
